@@ -1,0 +1,13 @@
+"""course_lib: the library behind the distributed-training notebooks.
+
+`%load_ext course_lib` registers the `%%torchrun` cell magic. Importing the
+package stays cheap (no torch, no IPython): every rank imports it at start-up.
+"""
+
+__all__ = ["load_ipython_extension"]
+
+
+def load_ipython_extension(ipython) -> None:
+    from course_lib.magic import TorchrunMagics
+
+    ipython.register_magics(TorchrunMagics)

@@ -1,0 +1,103 @@
+"""Checked exercises: the learner's function runs on N real ranks and is judged there.
+
+In the notebook::
+
+    def rank_sum():
+        ...                        # the learner's code
+    check(rank_sum, "course_lib.process_groups:check_rank_sum", nproc=NPROC)
+
+`check` sends the function's source to the ranks, where the checker (a
+function in the technique's module) calls it, compares with the reference
+solution and raises :class:`ExerciseFailed` naming what is wrong. A function
+whose body is still the stub (``raise NotImplementedError``) is reported as
+not attempted, without running anything.
+"""
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from typing import Any, Callable
+
+
+class ExerciseFailed(AssertionError):
+    """Raised on a rank by a checker: the message says what is wrong there."""
+
+
+def expect_equal(what: str, got: Any, expected: Any, *, atol: float = 1e-6, rtol: float = 1e-5) -> None:
+    """Compare tensors, numbers or sequences; name the first wrong element."""
+    import torch
+
+    if isinstance(expected, torch.Tensor) or isinstance(got, torch.Tensor):
+        if not isinstance(got, torch.Tensor):
+            raise ExerciseFailed(f"{what}: expected a tensor, got {type(got).__name__}")
+        expected = torch.as_tensor(expected)
+        if got.shape != expected.shape:
+            raise ExerciseFailed(f"{what}: expected shape {tuple(expected.shape)}, got {tuple(got.shape)}")
+        wrong = ~torch.isclose(got.double(), expected.double(), rtol=rtol, atol=atol)
+        if wrong.any():
+            index = tuple(int(i) for i in wrong.nonzero()[0])
+            raise ExerciseFailed(f"{what}: element {list(index)} expected {expected[index].item():g}, "
+                                 f"got {got[index].item():g} ({int(wrong.sum())} of {wrong.numel()} elements wrong)")
+        return
+    if isinstance(expected, (list, tuple)):
+        if not isinstance(got, (list, tuple)) or len(got) != len(expected):
+            raise ExerciseFailed(f"{what}: expected {expected!r}, got {got!r}")
+        for i, (g, e) in enumerate(zip(got, expected)):
+            expect_equal(f"{what}[{i}]", g, e, atol=atol, rtol=rtol)
+        return
+    if isinstance(expected, float):
+        ok = isinstance(got, (int, float)) and abs(got - expected) <= atol + rtol * abs(expected)
+    else:
+        ok = got == expected
+    if not ok:
+        raise ExerciseFailed(f"{what}: expected {expected!r}, got {got!r}")
+
+
+def is_stub(fn: Callable) -> bool:
+    """True while the body is only a docstring, `pass`, `...` or `raise NotImplementedError`."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    body = tree.body[0].body
+    for node in body:
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue  # docstring or ...
+        if isinstance(node, ast.Pass):
+            continue
+        if isinstance(node, ast.Raise) and "NotImplementedError" in ast.unparse(node):
+            continue
+        return False
+    return True
+
+
+def check(fn: Callable, checker: str, *, nproc: int = 2, backend: str = "auto", timeout: float = 120,
+          quiet: bool = False) -> bool | None:
+    """Run `checker` ("module:function") on `nproc` ranks against `fn`.
+
+    Returns True (correct), False (wrong: the message names the rank and the
+    element) or None (not attempted yet). Never raises for a wrong answer.
+    """
+    from course_lib import launcher
+
+    say = (lambda *a: None) if quiet else print
+    name = fn.__name__
+    if is_stub(fn):
+        say(f"{name}: not attempted yet")
+        return None
+    module, func = checker.split(":")
+    body = textwrap.dedent(inspect.getsource(fn)) + f"\nfrom {module} import {func} as _check\n_check({name})\n"
+    try:
+        launcher.launch(body, nproc, backend=backend, timeout=timeout, write=lambda text, stream: None)
+    except launcher.RankFailedError as error:
+        if not error.failures:
+            say(f"✗ {name}: {error}")
+            return False
+        first = error.failures[0]
+        if first.kind == "raised" and first.summary.startswith("ExerciseFailed: "):
+            say(f"✗ {name}: rank {first.rank}: {first.summary.removeprefix('ExerciseFailed: ')}")
+        elif first.kind == "raised":
+            say(f"✗ {name}: on rank {first.rank} your function raised {first.summary}")
+        else:
+            say(f"✗ {name}: rank {first.rank} {first.summary}")
+        return False
+    say(f"✓ {name}: correct on {nproc} ranks")
+    return True

@@ -1,0 +1,70 @@
+"""Inside a rank: process-group set-up and tear-down, device choice, seeding.
+
+Everything a `%%torchrun` cell gets before its body runs comes from here, so a
+script saved with `--save` (or written by hand for a cluster) does the same by
+calling :func:`init_distributed` and :func:`shutdown`.
+"""
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class RankContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+
+def pick_backend(requested: str = "auto") -> str:
+    """'auto' means NCCL when CUDA is usable, gloo otherwise."""
+    if requested == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return requested
+
+
+def init_distributed(backend: str = "auto", timeout_s: float = 300.0, seed: int | None = 0) -> RankContext:
+    """Join the process group torchrun described in the environment.
+
+    NCCL ranks get one GPU each (cuda:LOCAL_RANK); gloo ranks run on the CPU.
+    `seed` seeds every RNG identically on all ranks (None leaves them alone);
+    use `seed + rank` in the cell when ranks should draw different numbers.
+    """
+    backend = pick_backend(backend)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    kwargs = {}
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device  # binds the communicator eagerly; CPU ranks must not pass it
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+    if seed is not None:
+        seed_everything(seed)
+    return RankContext(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:
+        pass
+
+
+def shutdown() -> None:
+    """Destroy the process group if the cell left one behind."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

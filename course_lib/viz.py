@@ -1,0 +1,59 @@
+"""What notebooks display: library source, figures, and parameter explorers.
+
+`show` puts the library's real code on the page (the notebook never pastes a
+copy). `explore` is an ipywidgets explorer in JupyterLab; when the notebook is
+executed headless (the runner and the tests set COURSE_HEADLESS=1) it draws the
+default view as a plain figure, so executed notebooks keep a picture.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any, Callable
+
+
+def show(obj: Any) -> None:
+    """Display the source of a course_lib function, class or module, syntax-highlighted."""
+    from IPython.display import Code, display
+
+    display(Code(inspect.getsource(obj), language="python"))
+
+
+def headless() -> bool:
+    return os.environ.get("COURSE_HEADLESS") == "1"
+
+
+def explore(draw: Callable[..., None], **controls: Any) -> None:
+    """`draw(**values)` under sliders/dropdowns; controls as for ipywidgets.interact.
+
+    Each control is `(min, max, step, default)` for an int slider, or a list of
+    options (first is the default).
+    """
+    defaults = {name: _default(spec) for name, spec in controls.items()}
+    if headless():
+        draw(**defaults)
+        return
+    import ipywidgets as widgets
+
+    made = {name: _widget(name, spec) for name, spec in controls.items()}
+    widgets.interact(draw, **made)
+
+
+def _default(spec: Any) -> Any:
+    if isinstance(spec, tuple) and len(spec) == 4:
+        return spec[3]
+    if isinstance(spec, list):
+        return spec[0]
+    return spec
+
+
+def _widget(name: str, spec: Any):
+    import ipywidgets as widgets
+
+    if isinstance(spec, tuple) and len(spec) == 4:
+        lo, hi, step, value = spec
+        cls = widgets.IntSlider if all(isinstance(v, int) for v in spec) else widgets.FloatSlider
+        return cls(min=lo, max=hi, step=step, value=value, description=name, continuous_update=False)
+    if isinstance(spec, list):
+        return widgets.Dropdown(options=spec, value=spec[0], description=name)
+    return widgets.fixed(spec)

@@ -1,0 +1,126 @@
+"""The program torchrun starts on every rank of a `%%torchrun` cell.
+
+    python -m torch.distributed.run ... --module course_lib.worker RUN_DIR
+
+RUN_DIR (written by :mod:`course_lib.launcher`) holds `config.json`, the cell
+body `cell.py` and the pushed values. This process records its pid so the
+launcher can end it, dies with its torchrun agent, runs the body, and leaves
+behind the `--out` values, a `done` marker, or a torchelastic error file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import types
+from pathlib import Path
+
+
+def die_with_parent() -> None:
+    """End this rank when its torchrun agent dies, even by SIGKILL.
+
+    torchrun starts workers in their own session, so nothing else would.
+    Linux: the kernel sends SIGKILL (prctl PR_SET_PDEATHSIG). Elsewhere: poll.
+    """
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the agent died before prctl took effect
+            os._exit(1)
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def rank_paths(run_dir: Path, rank: int) -> dict[str, Path]:
+    """Files a rank leaves for the launcher, per restart attempt."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    base = run_dir / "ranks" / f"attempt_{attempt}"
+    base.mkdir(parents=True, exist_ok=True)
+    return {"pid": base / f"{rank}.pid", "done": base / f"{rank}.done", "out": run_dir / "out" / f"{rank}.pt"}
+
+
+def trim_to_cell(exc: BaseException, cell_file: str) -> None:
+    """Drop the worker's own frames so the traceback starts in the cell body."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename != cell_file:
+        tb = tb.tb_next
+    if tb is not None:
+        exc.__traceback__ = tb
+
+
+class MissingOutError(NameError):
+    pass
+
+
+def main(run_dir: Path) -> None:
+    die_with_parent()
+    config = json.loads((run_dir / "config.json").read_text())
+    rank = int(os.environ["RANK"])
+    paths = rank_paths(run_dir, rank)
+    paths["pid"].write_text(str(os.getpid()))
+
+    import torch  # after the pid is recorded: importing takes seconds
+
+    # The body runs as the __main__ module, so classes it defines pickle by reference.
+    main_module = types.ModuleType("__main__")
+    sys.modules["__main__"] = main_module
+    namespace = main_module.__dict__
+    cell_file = str(run_dir / "cell.py")
+    try:
+        if config["init"]:
+            from course_lib import runtime
+            import torch.distributed as dist
+
+            ctx = runtime.init_distributed(config["backend"], config["pg_timeout_s"])
+            namespace.update(
+                torch=torch, dist=dist, rank=ctx.rank, world_size=ctx.world_size,
+                local_rank=ctx.local_rank, device=ctx.device,
+            )
+        if config["push"]:
+            namespace.update(torch.load(run_dir / "push.pt", weights_only=False))
+        source = Path(cell_file).read_text()
+        exec(compile(source, cell_file, "exec"), namespace)
+        missing = [name for name in config["out"] if name not in namespace]
+        if missing:
+            raise MissingOutError(
+                f"--out names {', '.join(missing)}, but this rank never set "
+                f"{'it' if len(missing) == 1 else 'them'}: assign it in the cell on every rank"
+            )
+        if config["out"]:
+            paths["out"].parent.mkdir(exist_ok=True)
+            torch.save({name: namespace[name] for name in config["out"]}, paths["out"])
+        if config["init"]:
+            from course_lib import runtime
+
+            runtime.shutdown()
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher
+        if isinstance(exc, SystemExit) and exc.code in (None, 0):
+            paths["done"].touch()
+            return
+        trim_to_cell(exc, cell_file)
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(exc)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Skip interpreter teardown: a live process group aborts the process there.
+        os._exit(1)
+    paths["done"].touch()
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
