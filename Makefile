@@ -17,7 +17,8 @@ course: $(STAMP)   ## execute every notebook into build/course/ and print a summ
 	$(PY) -m course_lib.runner --out build/course $(ARGS)
 
 test: $(STAMP)     ## unit tests of course_lib, nbval over notebooks/, papermill with NPROC=3
-	$(PY) -m pytest tests $(ARGS)
+	$(PY) -m pytest tests notebooks --nbval --nbval-current-env --nbval-cell-timeout 600 \
+		--nbval-sanitize-with tests/nbval_sanitize.cfg $(ARGS)
 
 lab: $(STAMP)      ## JupyterLab on notebooks/ in the course environment
 	$(VENV)/bin/jupyter lab --notebook-dir=notebooks

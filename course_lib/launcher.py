@@ -487,10 +487,10 @@ def _final_failures(attempts, agent_log, run_dir, nproc, node_rank) -> list[Rank
     raised = attempts[-1].failures if attempts else []
     failed = {f.rank for f in raised}
     died, stopped = [], []
-    for rank, code in sorted(_agent_exit_codes(agent_log).items()):
-        if rank in failed:
-            continue
-        if code == -signal.SIGTERM and raised:
+    codes = {r: c for r, c in sorted(_agent_exit_codes(agent_log).items()) if r not in failed}
+    others_failed = bool(raised) or any(c != -signal.SIGTERM for c in codes.values())
+    for rank, code in codes.items():
+        if code == -signal.SIGTERM and others_failed:
             stopped.append(RankFailure(rank, "stopped", "was stopped by torchrun after the failure"))
         elif code < 0:
             died.append(RankFailure(rank, "signal", f"was killed by {_signal_name(code)}"))

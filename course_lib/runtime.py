@@ -47,10 +47,24 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0, seed: int 
         kwargs["device_id"] = device  # binds the communicator eagerly; CPU ranks must not pass it
     else:
         device = torch.device("cpu")
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if restart > 0:
+        # After torchrun restarts the group, the agent's store still holds the previous
+        # attempt's gloo/NCCL addresses under the same keys, and ranks connect to dead
+        # peers. A key prefix per attempt keeps each attempt's rendezvous apart.
+        kwargs["store"] = dist.PrefixStore(f"attempt_{restart}", _agent_store(timeout_s))
+        kwargs["rank"] = int(os.environ["RANK"])
+        kwargs["world_size"] = int(os.environ["WORLD_SIZE"])
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
     if seed is not None:
         seed_everything(seed)
     return RankContext(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+def _agent_store(timeout_s: float) -> dist.Store:
+    """A client of the TCP store torchrun's agent serves at MASTER_ADDR:MASTER_PORT."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                         int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
 def seed_everything(seed: int) -> None:

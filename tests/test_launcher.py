@@ -1,0 +1,262 @@
+"""The %%torchrun contract, on real gloo ranks: output, values, failures, timeouts, cleanup, bad input."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from course_lib import launcher
+from course_lib.launcher import LaunchError, RankFailedError, RunTimeoutError, launch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Captured:
+    def __init__(self):
+        self.stdout, self.stderr = "", ""
+
+    def __call__(self, text, stream):
+        setattr(self, stream, getattr(self, stream) + text)
+
+
+def processes_with(token: str) -> list[psutil.Process]:
+    """Every live process whose environment carries `token` (the run's agent and ranks)."""
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.pid != os.getpid() and proc.environ().get("COURSE_TEST_TOKEN") == token \
+                    and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def wait_until(predicate, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_output_grouped_in_rank_order_and_values_round_trip():
+    out = Captured()
+    body = textwrap.dedent("""
+        import time
+        time.sleep(0.3 * (world_size - 1 - rank))   # the last rank prints first
+        print(f"hello from {rank}")
+        print(f"line two {rank}")
+        doubled = payload * (rank + 1)
+        info = {"rank": rank, "names": names}
+    """)
+    payload = torch.arange(5.0)
+    result = launch(body, 3, backend="gloo", push={"payload": payload, "names": ["a", "b"]},
+                    out=["doubled", "info"], write=out)
+    assert out.stdout.splitlines() == [f"[rank {r}] {text} {r}" for r in range(3)
+                                       for text in ("hello from", "line two")]
+    assert [d.tolist() for d in result.values["doubled"]] == [(payload * k).tolist() for k in (1, 2, 3)]
+    assert result.values["info"] == [{"rank": r, "names": ["a", "b"]} for r in range(3)]
+
+
+def test_failure_names_rank_exception_and_cell_line():
+    out = Captured()
+    body = "print('starting', rank)\nx = 1\nif rank == 1:\n    raise ValueError('bad shard')\nprint('done', rank)\n"
+    with pytest.raises(RankFailedError) as info:
+        launch(body, 2, backend="gloo", write=out)
+    message = str(info.value)
+    assert message.startswith("rank 1 raised ValueError: bad shard")
+    assert "at cell line 4: raise ValueError('bad shard')" in message
+    assert info.value.failures[0].rank == 1 and info.value.failures[0].cell_line == 4
+    rendered = "\n".join(info.value._render_traceback_())
+    assert 'File "<torchrun cell>", line 4' in rendered and "worker.py" not in rendered
+    assert "[rank 0] starting 0" in out.stdout and "[rank 1] starting 1" in out.stdout
+
+
+def test_rank_killed_by_signal_is_named():
+    body = "import os, signal, time\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(30)\n"
+    with pytest.raises(RankFailedError) as info:
+        launch(body, 2, backend="gloo", write=Captured())
+    assert str(info.value).startswith("rank 1 was killed by SIGKILL")
+
+
+def test_timeout_ends_every_process_and_names_running_ranks():
+    token = uuid.uuid4().hex
+    body = "import time\nif rank == 0:\n    dist.barrier()   # rank 1 never joins\nelse:\n    time.sleep(600)\n"
+    start = time.monotonic()
+    with pytest.raises(RunTimeoutError) as info:
+        launch(body, 2, backend="gloo", timeout=8, env={"COURSE_TEST_TOKEN": token}, write=Captured())
+    assert time.monotonic() - start < 25
+    assert "ranks still running: 1" in str(info.value) or "ranks still running: 0, 1" in str(info.value)
+    assert processes_with(token) == []
+
+
+def _script_running_a_long_cell(token: str) -> subprocess.Popen:
+    code = textwrap.dedent(f"""
+        from course_lib.launcher import launch
+        launch("import time\\ntime.sleep(600)\\n", 2, backend="gloo", timeout=600,
+               env={{"COURSE_TEST_TOKEN": {token!r}}})
+    """)
+    env = {**os.environ, "COURSE_TEST_TOKEN": token + "-kernel"}
+    return subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT)
+
+
+def _agent_and_workers(token: str):
+    procs = processes_with(token)
+    agent = [p for p in procs if "torch.distributed.run" in " ".join(p.cmdline())]
+    workers = [p for p in procs if p not in agent and "course_lib.worker" in " ".join(p.cmdline())]
+    return agent, workers
+
+
+@pytest.mark.parametrize("how", ["interrupt", "kill_agent", "kill_kernel"])
+def test_no_process_survives(how):
+    """SIGINT to the 'kernel', SIGKILL to the torchrun agent, SIGKILL to the kernel: nothing of the run survives."""
+    token = uuid.uuid4().hex
+    kernel = _script_running_a_long_cell(token)
+    try:
+        assert wait_until(lambda: len(_agent_and_workers(token)[1]) == 2), "ranks did not start"
+        agent, workers = _agent_and_workers(token)
+        assert len(agent) == 1
+        if how == "interrupt":
+            kernel.send_signal(signal.SIGINT)
+            kernel.wait(30)
+        elif how == "kill_agent":
+            agent[0].kill()
+        else:
+            kernel.kill()
+            kernel.wait(10)
+        assert wait_until(lambda: processes_with(token) == [], timeout=15), \
+            f"left behind: {[p.cmdline() for p in processes_with(token)]}"
+    finally:
+        kernel.kill()
+        kernel.wait(10)
+
+
+def test_two_runs_at_once_do_not_collide():
+    results, errors = [], []
+
+    def run(tag):
+        try:
+            results.append(launch(f"t = torch.ones(3) * {tag}\ndist.all_reduce(t)\n", 2, backend="gloo",
+                                  out=["t"], write=Captured()))
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in (1, 10)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert sorted(r.values["t"][0][0].item() for r in results) == [2.0, 20.0]
+
+
+def test_stream_prefixes_lines_live():
+    out = Captured()
+    launch("for i in range(3):\n    print(f'step {i}')\n", 2, backend="gloo", stream=True, write=out)
+    lines = out.stdout.splitlines()
+    assert sorted(lines) == sorted(f"[rank {r}] step {i}" for r in range(2) for i in range(3))
+    for r in range(2):  # each rank's own lines stay in order
+        assert [l for l in lines if l.startswith(f"[rank {r}]")] == [f"[rank {r}] step {i}" for i in range(3)]
+
+
+def test_max_restarts_restarts_the_group_after_a_real_process_death():
+    out = Captured()
+    body = textwrap.dedent("""
+        import os, signal
+        attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+        print(f"attempt {attempt}")
+        if attempt == 0 and rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.barrier()
+    """)
+    result = launch(body, 2, backend="gloo", max_restarts=1, out=["attempt"], write=out)
+    assert [a.index for a in result.attempts] == [0, 1]
+    assert result.values["attempt"] == [1, 1]
+    assert "--- attempt 1 ---" in out.stdout
+
+
+def test_no_init_leaves_the_group_to_the_cell():
+    body = textwrap.dedent("""
+        import torch.distributed as dist
+        initialised_before = dist.is_initialized()
+        names = sorted(k for k in ("rank", "world_size", "device") if k in globals())
+    """)
+    result = launch(body, 2, backend="gloo", init=False, out=["initialised_before", "names"], write=Captured())
+    assert result.values == {"initialised_before": [False, False], "names": [[], []]}
+
+
+def test_saved_script_runs_under_plain_torchrun(tmp_path):
+    body = "t = torch.tensor([float(rank)])\ndist.all_reduce(t)\nprint(f'sum {t.item():g} on rank {rank}')\n"
+    script = tmp_path / "job.py"
+    script.write_text(launcher.standalone_script(body, backend="gloo", nproc=3))
+    # --tee copies each rank's output line by line (plain pipes would interleave the ranks' writes)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+                           "--tee", "3", str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1",
+                               "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[${rank}] "})
+    assert done.returncode == 0, done.stderr
+    assert sorted(line for line in done.stdout.splitlines() if "sum" in line) == \
+        [f"[{r}] sum 3 on rank {r}" for r in range(3)]
+
+
+# ---- bad input fails at once, before anything starts ------------------------
+
+
+@pytest.fixture(scope="module")
+def shell():
+    from IPython.core.interactiveshell import InteractiveShell
+
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "course_lib")
+    return ip
+
+
+@pytest.mark.parametrize("line, message", [
+    ("-n 0", "-n must be at least 1 rank"),
+    ("-n two", "-n must be a whole number"),
+    ("-n 2 --bogus", "unrecognized arguments: --bogus"),
+    ("-n 2 --backend mpi", "unknown backend 'mpi'"),
+    ("-n 2 --backend nccl", "this machine has none: use --backend gloo"),
+    ("-n 2 --push not_defined_anywhere", "--push names not_defined_anywhere, not defined in the notebook"),
+    ("-n 2 --out 1x", "'1x' is not one"),
+    ("-n 2 --timeout soon", "--timeout takes a number of seconds"),
+])
+def test_bad_input_is_refused_at_once(shell, line, message):
+    if "nccl" in line and torch.cuda.is_available():
+        pytest.skip("this machine has GPUs, so nccl is a valid request here")
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        shell.run_cell_magic("torchrun", line, "print('never runs')\n")
+    assert message in str(info.value)
+    assert time.monotonic() - start < 2.0  # nothing was launched
+
+
+def test_more_ranks_than_gpus_is_refused(monkeypatch):
+    monkeypatch.setattr(launcher, "available_gpus", lambda: 2)
+    with pytest.raises(LaunchError, match="4 ranks with nccl need 4 GPUs, this node has 2"):
+        launcher.resolve_backend("nccl", 4)
+    assert launcher.resolve_backend("auto", 2) == "nccl"
+
+
+def test_out_naming_a_variable_a_rank_never_set(shell):
+    with pytest.raises(RankFailedError, match="rank 1 raised MissingOutError: --out names late, but this rank never set it"):
+        shell.run_cell_magic("torchrun", "-n 2 --backend gloo --out late", "if rank == 0:\n    late = 1\n")
+
+
+def test_magic_puts_values_in_the_notebook_and_expands_variables(shell):
+    shell.user_ns["N"] = 3
+    shell.user_ns["scale"] = torch.tensor(2.0)
+    shell.run_cell("%%torchrun -n $N --backend gloo --push scale --out y\ny = scale * rank\n")
+    assert [v.item() for v in shell.user_ns["y"]] == [0.0, 2.0, 4.0]
