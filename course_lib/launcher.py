@@ -241,7 +241,8 @@ def _read_attempt(attempt_dir: Path, run_dir: Path, nproc: int, node_rank: int, 
     attempt = Attempt(index)
     cell_file = str(run_dir / "cell.py")
     for local in range(nproc):
-        rank = node_rank * nproc + local
+        mapping = run_dir / "ranks" / f"attempt_{index}" / f"local_{local}"
+        rank = int(mapping.read_text()) if mapping.exists() else node_rank * nproc + local
         rank_dir = attempt_dir / str(local)
         for name, store in (("stdout", attempt.stdout), ("stderr", attempt.stderr)):
             log = rank_dir / f"{name}.log"
@@ -411,7 +412,7 @@ def _run(body, nproc, backend, timeout, out, push, stream, init, max_restarts, m
     attempts = [_read_attempt(d, run_dir, nproc, node_rank, cell_source) for d in _attempt_dirs(run_dir)]
     if not stream:
         _emit_default(write, attempts)
-    values = _collect_values(run_dir, out, node_rank, nproc) if proc.returncode == 0 and not timed_out else {}
+    values = _collect_values(run_dir, out) if proc.returncode == 0 and not timed_out else {}
     result = RunResult(nproc, backend, attempts, values, wall, "".join(agent_log))
 
     if timed_out:
@@ -475,11 +476,12 @@ def _route(line: str, name: str, stream: bool, write, agent_log: list[str]) -> N
 
 
 def _running_ranks(run_dir: Path, node_rank: int, nproc: int) -> list[int]:
+    """Ranks of the last attempt that started and did not finish."""
     attempts = sorted((run_dir / "ranks").glob("attempt_*"), key=lambda d: int(d.name.split("_")[1]))
     if not attempts:
         return list(range(node_rank * nproc, (node_rank + 1) * nproc))
-    last = attempts[-1]
-    return [node_rank * nproc + i for i in range(nproc) if not (last / f"{node_rank * nproc + i}.done").exists()]
+    started = sorted(int(p.stem) for p in attempts[-1].glob("*.pid"))
+    return [r for r in started if not (attempts[-1] / f"{r}.done").exists()]
 
 
 def _final_failures(attempts, agent_log, run_dir, nproc, node_rank) -> list[RankFailure]:
@@ -501,17 +503,13 @@ def _final_failures(attempts, agent_log, run_dir, nproc, node_rank) -> list[Rank
     return failures
 
 
-def _collect_values(run_dir: Path, out: list[str], node_rank: int, nproc: int) -> dict[str, list[Any]]:
+def _collect_values(run_dir: Path, out: list[str]) -> dict[str, list[Any]]:
+    """Each name's values from this node's ranks, in rank order (all ranks on one node)."""
     import torch
 
-    values: dict[str, list[Any]] = {name: [] for name in out}
-    for local in range(nproc):
-        rank = node_rank * nproc + local
-        path = run_dir / "out" / f"{rank}.pt"
-        saved = torch.load(path, weights_only=False, map_location="cpu") if path.exists() else {}
-        for name in out:
-            values[name].append(saved.get(name))
-    return values
+    files = sorted((run_dir / "out").glob("*.pt"), key=lambda p: int(p.stem))
+    saved = [torch.load(p, weights_only=False, map_location="cpu") for p in files]
+    return {name: [s[name] for s in saved] for name in out}
 
 
 def standalone_script(body: str, *, backend: str = "auto", init: bool = True, nproc: int = 2) -> str:

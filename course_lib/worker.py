@@ -70,6 +70,8 @@ def main(run_dir: Path) -> None:
     rank = int(os.environ["RANK"])
     paths = rank_paths(run_dir, rank)
     paths["pid"].write_text(str(os.getpid()))
+    # Log files are named by local rank; with several nodes the global rank is only known here.
+    (paths["pid"].parent / f"local_{os.environ['LOCAL_RANK']}").write_text(str(rank))
 
     import torch  # after the pid is recorded: importing takes seconds
 
