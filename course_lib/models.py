@@ -25,3 +25,63 @@ class MLP(nn.Sequential):
 
 def param_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention with separate q, k, v, o projections.
+
+    The number of heads is read from q's output width (`width // head_dim`), so
+    the same forward runs unchanged when q/k/v are column-sharded over ranks and
+    each rank holds only its own heads.
+    """
+
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
+        self.head_dim = d_model // n_heads
+        self.q, self.k, self.v, self.o = (nn.Linear(d_model, d_model) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq = x.shape[0], x.shape[1]
+
+        def heads(t: torch.Tensor) -> torch.Tensor:  # (b, s, width) -> (b, heads, s, head_dim)
+            return t.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+
+        y = nn.functional.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)),
+                                                       is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """Linear up to d_ff, GELU, Linear down to d_model."""
+
+    def __init__(self, d_model: int, d_ff: int):
+        super().__init__()
+        self.up, self.act, self.down = nn.Linear(d_model, d_ff), nn.GELU(), nn.Linear(d_ff, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(self.up(x)))
+
+
+class TransformerBlock(nn.Module):
+    """A pre-norm transformer block: x + attention(norm1(x)), then + feed_forward(norm2(x)).
+
+    Defaults (48 wide, 12 heads, 192 hidden) divide by 1, 2, 3, 4, 6 and 12 ranks.
+    Seeded: same weights on every rank. Dropout defaults to 0 so runs are deterministic.
+    """
+
+    def __init__(self, d_model: int = 48, n_heads: int = 12, d_ff: int = 192, dropout: float = 0.0, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.norm1 = nn.LayerNorm(d_model)
+        self.attention = Attention(d_model, n_heads)
+        self.norm2 = nn.LayerNorm(d_model)
+        self.feed_forward = FeedForward(d_model, d_ff)
+        # two modules, not one called twice: module trackers such as CommDebugMode expect one call per module
+        self.dropout1, self.dropout2 = nn.Dropout(dropout), nn.Dropout(dropout)
+        self.n_heads = n_heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout1(self.attention(self.norm1(x)))
+        return x + self.dropout2(self.feed_forward(self.norm2(x)))
