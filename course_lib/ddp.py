@@ -17,7 +17,6 @@ accumulation. The rest of the module holds what notebook 02 measures with it.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -400,7 +399,7 @@ def gradient_error(model: nn.Module, hook: str, x: torch.Tensor, y: torch.Tensor
     g_exact = torch.cat([p.grad.reshape(-1) for p in exact.parameters()])
     g_hook = torch.cat([p.grad.reshape(-1) for p in compressed.parameters()])
     del exact, compressed
-    _free_comm_hook_state()
+    free_comm_state()
     return ((g_hook - g_exact).norm() / g_exact.norm()).item()
 
 
@@ -416,14 +415,19 @@ def train_with_hook(hook: str, dataset: Dataset, device: torch.device, powersgd_
     log = train(model, dataset, **train_kwargs)
     plain = model.module
     del model
-    _free_comm_hook_state()
+    free_comm_state()
     return log, plain
 
 
-def _free_comm_hook_state() -> None:
-    # A PowerSGD state still alive when the process group is destroyed aborts the process at
-    # exit (SIGABRT, "terminate called without an active exception"): free it now. DDP and its
-    # hook state form a reference cycle, so only the garbage collector can.
+def free_comm_state() -> None:
+    """Free unreachable DDP objects and the futures their communication hooks left behind, now.
+
+    Call it (after `del`-eting the models) at the end of a rank's work with comm hooks: a future
+    with a Python callback, or a PowerSGD state, that is still alive when the process group has
+    been destroyed is freed at interpreter exit and can abort the process there (SIGABRT,
+    "terminate called without an active exception"). DDP and its hook state form reference
+    cycles, so only the garbage collector frees them.
+    """
     import gc
 
     gc.collect()
@@ -568,4 +572,8 @@ def check_mean_allreduce_hook(fn) -> None:
 
     model = DDP(MLP(seed=0).to(rank_device()))
     model.register_comm_hook(None, fn)
-    _compare_with_torch_ddp(model, "mean_allreduce_hook")
+    try:
+        _compare_with_torch_ddp(model, "mean_allreduce_hook")
+    finally:
+        del model
+        free_comm_state()

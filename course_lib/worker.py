@@ -103,25 +103,35 @@ def main(run_dir: Path) -> None:
         if config["out"]:
             paths["out"].parent.mkdir(exist_ok=True)
             torch.save({name: namespace[name] for name in config["out"]}, paths["out"])
+        # Free the cell's objects (futures, comm hook states) while the process group still exists:
+        # freed later, during interpreter teardown, some abort the process.
+        namespace.clear()
+        import gc
+
+        gc.collect()
         if config["init"]:
             from course_lib import runtime
 
             runtime.shutdown()
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher
-        if isinstance(exc, SystemExit) and exc.code in (None, 0):
-            paths["done"].touch()
-            return
-        trim_to_cell(exc, cell_file)
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
-        ErrorHandler().record_exception(exc)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # Skip interpreter teardown: a live process group aborts the process there.
-        os._exit(1)
+        if not (isinstance(exc, SystemExit) and exc.code in (None, 0)):  # sys.exit() in a cell is a success
+            record_and_exit(exc, cell_file)
     paths["done"].touch()
     sys.stdout.flush()
     sys.stderr.flush()
+    os._exit(0)  # the run is complete: no interpreter teardown that could still abort it
+
+
+def record_and_exit(exc: BaseException, cell_file: str) -> None:
+    """Write the torchelastic error file (the launcher reads it) and end this rank."""
+    trim_to_cell(exc, cell_file)
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    ErrorHandler().record_exception(exc)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: a live process group aborts the process there.
+    os._exit(1)
 
 
 if __name__ == "__main__":
