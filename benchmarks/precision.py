@@ -1,0 +1,75 @@
+"""Mixed precision: what bf16 buys, per device.
+
+    .venv/bin/python benchmarks/precision.py [--repeats 7] [--n 1024]
+
+GPU (CUDA available): median TFLOP/s of an n x n matmul in fp32, fp16 and bf16 (course_lib.precision.matmul_tflops,
+n = 8192) and the ratio to fp32. CPU: median time of a forward+backward step of the course MLP (d_hidden=512) in
+fp32, bf16 autocast and a pure bf16 model, alternating between them so load changes hit all alike; and the bytes of
+parameters and saved activations in fp32 vs bf16 (ratio asked by the issue: about 0.5).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from course_lib import precision
+from course_lib.models import MLP
+
+
+def gpu(repeats: int) -> None:
+    device = torch.device("cuda")
+    tflops = {name: [] for name in ("fp32", "fp16", "bf16")}
+    for _ in range(repeats):
+        for dtype in precision.FLOAT_DTYPES:
+            tflops[precision.DTYPE_NAMES[dtype]].append(precision.matmul_tflops(dtype, device))
+    medians = {name: statistics.median(v) for name, v in tflops.items()}
+    for name, value in medians.items():
+        print(f"{name}: {value:8.1f} TFLOP/s   {value / medians['fp32']:5.1f}x fp32")
+
+
+def cpu(repeats: int, batch: int) -> None:
+    torch.set_num_threads(1)
+    x, y = torch.randn(batch, 32), torch.randn(batch, 8)
+    modes = {
+        "fp32": (MLP(d_hidden=512), x, y, None),
+        "bf16 autocast": (MLP(d_hidden=512), x, y, torch.bfloat16),
+        "bf16 model": (MLP(d_hidden=512).to(torch.bfloat16), x.bfloat16(), y.bfloat16(), None),
+    }
+    times = {name: [] for name in modes}
+    for repeat in range(repeats + 1):          # repeat 0 warms up
+        for name, (model, xs, ys, autocast_dtype) in modes.items():
+            start = time.perf_counter()
+            for _ in range(5):
+                with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+                    loss = nn.functional.mse_loss(model(xs).float(), ys.float())
+                loss.backward()
+            if repeat:
+                times[name].append((time.perf_counter() - start) / 5)
+    base = statistics.median(times["fp32"])
+    for name, t in times.items():
+        print(f"{name:14} step {statistics.median(t) * 1e3:7.2f} ms   {statistics.median(t) / base:5.2f}x fp32")
+    fp32_model, bf16_model = MLP(d_hidden=512), MLP(d_hidden=512).to(torch.bfloat16)
+    params = (precision.local_param_bytes(bf16_model), precision.local_param_bytes(fp32_model))
+    acts = (precision.saved_activation_bytes(bf16_model, x.bfloat16()), precision.saved_activation_bytes(fp32_model, x))
+    print(f"parameters  fp32 {params[1]:>10,} B  bf16 {params[0]:>10,} B  ratio {params[0] / params[1]:.2f}")
+    print(f"activations fp32 {acts[1]:>10,} B  bf16 {acts[0]:>10,} B  ratio {acts[0] / acts[1]:.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--n", type=int, default=1024, help="CPU batch size")
+    args = parser.parse_args()
+    if torch.cuda.is_available():
+        gpu(args.repeats)
+    else:
+        print("no GPU: matmul throughput skipped; CPU step time and memory instead")
+        cpu(args.repeats, args.n)
+
+
+if __name__ == "__main__":
+    main()

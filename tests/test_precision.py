@@ -1,0 +1,242 @@
+"""course_lib.precision: the from-scratch loss scaler against torch.amp.GradScaler, on one process and on
+N real gloo ranks (FSDP2-sharded gradients, an overflow on one rank only), the exercise checker, and the
+number-format helpers. Each multi-rank test is one launch (a few seconds of start-up), so checks share a body.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from course_lib import precision
+from course_lib.exercises import check
+from course_lib.launcher import launch
+from course_lib.models import MLP
+
+QUIET = dict(write=lambda text, stream: None)
+
+
+# ------------------------------------------------------------------------------------------------
+# one process
+# ------------------------------------------------------------------------------------------------
+
+def test_number_formats():
+    rows = {r["dtype"]: r for r in precision.finfo_table()}
+    assert rows["fp16"]["max"] == 65504 and rows["fp16"]["smallest subnormal"] == 2.0**-24
+    assert rows["bf16"]["smallest subnormal"] == 2.0**-133 and rows["fp32"]["smallest subnormal"] == 2.0**-149
+    assert precision.stored_value(2049.0, torch.float16) == 2048.0
+    assert math.isinf(precision.stored_value(1e5, torch.float16))
+    assert precision.relative_error(1e5, torch.float16) == math.inf
+    assert precision.bit_fields(1.0, torch.float16) == ("0", "01111", "0" * 10)
+    assert precision.bit_fields(-2.0, torch.bfloat16) == ("1", "10000000", "0" * 7)
+    assert precision.bit_fields(0.1, torch.float32) == ("0", "01111011", "10011001100110011001101")
+
+
+def test_autocast_inspection_sees_low_precision_matmuls_and_fp32_loss():
+    model, x, y = MLP(n_layers=1), torch.randn(4, 32), torch.randn(4, 8)
+
+    def forward():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return torch.nn.functional.mse_loss(model(x), y)
+
+    ops = precision.record_op_dtypes(forward)
+    assert [out for op, _, out in ops if op == "addmm"] == ["bf16", "bf16"]
+    assert [out for op, _, out in ops if op == "mse_loss"] == ["fp32"]
+    assert ("_to_copy", ("fp32",), "bf16") in ops
+
+
+def _scale_update_reference(flags, init_scale, growth_interval):
+    scale, tracker = torch.tensor(init_scale), torch.tensor(0, dtype=torch.int32)
+    trajectory = []
+    for flag in flags:
+        torch._amp_update_scale_(scale, tracker, torch.tensor(float(flag)), 2.0, 0.5, growth_interval)
+        trajectory.append((scale.item(), int(tracker)))
+    return trajectory
+
+
+@pytest.mark.parametrize("init_scale", [2.0**16, 2.0**126])   # the second grows into fp32's limit: no inf
+def test_update_rule_equals_torch_kernel(init_scale):
+    flags = [1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0]
+    scaler = precision.DynamicLossScaler(init_scale=init_scale, growth_interval=3)
+    mine = []
+    for flag in flags:
+        scaler._found_inf = torch.tensor(float(flag))
+        scaler.update()
+        mine.append((scaler.get_scale(), scaler._growth_tracker))
+    assert mine == _scale_update_reference(flags, init_scale, 3)
+    assert all(math.isfinite(scale) for scale, _ in mine)
+
+
+def _train(scaler, max_norm=1.0):
+    model = MLP(n_layers=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
+    batches = precision.rank_batches(14, 48, torch.device("cpu"))
+    run = precision.amp_training_loop(model, optimizer, scaler, batches, poison={7: 0}, max_norm=max_norm)
+    return run, [p.detach().clone() for p in model.parameters()]
+
+
+def test_scaler_equals_gradscaler_single_process_with_overflows_and_clipping():
+    settings = dict(init_scale=2.0**24, growth_interval=2)    # far too large: the first steps overflow by themselves
+    theirs, their_params = _train(torch.amp.GradScaler("cpu", **settings))
+    mine, my_params = _train(precision.DynamicLossScaler(**settings))
+    assert mine == theirs
+    assert all(torch.equal(a, b) for a, b in zip(my_params, their_params))
+    assert theirs["skipped"][0] == 0 and 7 in theirs["skipped"] and len(theirs["skipped"]) >= 4
+    assert len(set(theirs["scales"])) >= 4                     # backed off and grew again
+
+
+def test_scaler_api_misuse_raises():
+    scaler = precision.DynamicLossScaler()
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="needs a step"):
+        scaler.update()
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    scaler.unscale_(optimizer)
+    with pytest.raises(RuntimeError, match="already called"):
+        scaler.unscale_(optimizer)
+
+
+def test_hand_managed_scale_stalls_and_the_right_way_learns():
+    batches = precision.rank_batches(40, 48, torch.device("cpu"))
+    model = MLP(n_layers=2)
+    trainer = precision.MixedPrecisionTrainer(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    hand = [trainer.train_step(x, y) for x, y in batches]
+    model = MLP(n_layers=2)
+    right = precision.amp_training_loop(model, torch.optim.SGD(model.parameters(), lr=0.5), torch.amp.GradScaler("cpu"),
+                                        batches, max_norm=1.0)["losses"]
+    assert hand[0] == right[0]
+    assert hand[-1] > 1.5 * right[-1] and right[-1] < 0.7 * right[0]
+
+
+def test_saved_activation_bytes_halve_in_bf16():
+    model = MLP(d_hidden=128)
+    fp32 = precision.saved_activation_bytes(model, torch.randn(32, 32))
+    bf16 = precision.saved_activation_bytes(model.to(torch.bfloat16), torch.randn(32, 32, dtype=torch.bfloat16))
+    assert fp32 > 0 and bf16 * 2 == fp32
+
+
+# ------------------------------------------------------------------------------------------------
+# N ranks
+# ------------------------------------------------------------------------------------------------
+
+RANKS_BODY = r'''
+from torch.distributed.fsdp import fully_shard
+from course_lib import precision
+from course_lib.exercises import ExerciseFailed
+from course_lib.models import MLP
+
+settings = dict(init_scale=2.0**24, growth_interval=3)
+scalers = {"torch": lambda: torch.amp.GradScaler("cpu", **settings),
+           "mine": lambda: precision.DynamicLossScaler(**settings),
+           "naive": lambda: precision.DynamicLossScaler(**settings, sync_found_inf=False)}
+batches = precision.rank_batches(16, 48, device)
+runs, params = {}, {}
+for name, make in scalers.items():
+    model = MLP()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    # step 10: an overflow on the last rank only; step 12: on rank 0 only
+    # no clipping here: clip_grad_norm_ over DTensor gradients all-reduces the norm, which would hide the
+    # naive scaler's disagreement (an inf norm zeroes every rank's update)
+    runs[name] = precision.amp_training_loop(model, optimizer, make(), batches, poison={10: world_size - 1, 12: 0})
+    params[name] = [precision.local_tensor(p.detach()).clone() for p in model.parameters()]
+params_equal = all(torch.equal(a, b) for a, b in zip(params["torch"], params["mine"]))
+scales = {name: run["scales"] for name, run in runs.items()}
+skipped = {name: run["skipped"] for name, run in runs.items()}
+
+policy = precision.inspect_fsdp2_mixed_precision(torch.bfloat16, torch.float32)
+
+# the exercise checker: the reference passes, wrong answers fail with a message about the case
+def local_only(grads):
+    return torch.tensor(float(any(not torch.isfinite(g).all() for g in grads)))
+
+def summed(grads):
+    found = torch.tensor(float(any(not torch.isfinite(g).all() for g in grads)))
+    dist.all_reduce(found)
+    return found
+
+def misses_nan(grads):
+    found = torch.tensor(float(any(torch.isinf(g).any() for g in grads)))
+    dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    return found
+
+def cleans_gradients(grads):
+    found = precision.solution_found_inf(grads)
+    for g in grads:
+        g.nan_to_num_(posinf=0.0, neginf=0.0)
+    return found
+
+verdicts = {}
+for candidate in (precision.solution_found_inf, precision.found_inf_across_ranks, local_only, summed, misses_nan,
+                  cleans_gradients):
+    try:
+        precision.check_found_inf(candidate)
+        verdicts[candidate.__name__] = "passed"
+    except ExerciseFailed as failure:
+        verdicts[candidate.__name__] = str(failure)
+'''
+
+
+@pytest.mark.parametrize("nproc", [2, 3, 4])
+def test_scaler_equals_gradscaler_on_sharded_ranks(nproc):
+    run = launch(RANKS_BODY, nproc, backend="gloo", out=["scales", "skipped", "params_equal", "policy", "verdicts"],
+                 **QUIET)
+    values = run.values
+    for rank in range(nproc):
+        scales, skipped = values["scales"][rank], values["skipped"][rank]
+        assert scales["mine"] == scales["torch"], f"rank {rank}: scale trajectories differ"
+        assert skipped["mine"] == skipped["torch"], f"rank {rank}: skipped steps differ"
+        assert values["params_equal"][rank], f"rank {rank}: final parameters differ"
+        assert scales["torch"] == values["scales"][0]["torch"] and skipped["torch"] == values["skipped"][0]["torch"]
+        assert {0, 10, 12} <= set(skipped["torch"]), skipped["torch"]   # natural overflow, then the two poisoned steps
+        assert len(set(scales["torch"])) >= 4
+        policy = values["policy"][rank]
+        assert policy["all_gather input"] == ["bf16"] and policy["reduce_scatter input"] == ["fp32"]
+        assert policy["gathered weight"] == "bf16" and policy["sharded gradient"] == "fp32"
+    naive = [values["skipped"][r]["naive"] for r in range(nproc)]
+    assert any(s != naive[0] for s in naive), "without the all-reduce the ranks should skip different steps"
+
+    verdicts = values["verdicts"][0]
+    assert verdicts["solution_found_inf"] == "passed" and verdicts["found_inf_across_ranks"] == "passed"
+    assert verdicts["local_only"].startswith(f"case 'inf on rank {nproc - 1} only': expected 1.0, got 0.0")
+    assert verdicts["summed"].startswith(f"case '-inf on every rank': expected 1.0, got {float(nproc)}")
+    assert verdicts["misses_nan"].startswith("case 'nan on rank 0 only'")
+    # only the last rank's gradients were non-finite in the first bad case, so only it sees them changed
+    assert values["verdicts"][nproc - 1]["cleans_gradients"] == \
+        f"case 'inf on rank {nproc - 1} only': the check changed the gradients; it should only read them"
+
+
+# exercise candidates for check(): top level, so check() can send their source to the ranks
+def found_inf_reference(grads):
+    found = torch.zeros(())
+    for grad in grads:
+        if not torch.isfinite(grad).all():
+            found.fill_(1.0)
+    dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    return found
+
+
+def found_inf_local_only(grads):
+    return torch.tensor(float(any(not torch.isfinite(g).all() for g in grads)))
+
+
+def found_inf_stub(grads):
+    raise NotImplementedError
+
+
+def test_exercise_check_names_the_rank(capsys):
+    assert check(found_inf_stub, "course_lib.precision:check_found_inf", nproc=3, backend="gloo") is None
+    assert check(found_inf_reference, "course_lib.precision:check_found_inf", nproc=3, backend="gloo") is True
+    assert check(found_inf_local_only, "course_lib.precision:check_found_inf", nproc=3, backend="gloo") is False
+    out = capsys.readouterr().out
+    assert "found_inf_stub: not attempted yet" in out
+    assert "✓ found_inf_reference: correct on 3 ranks" in out
+    # ranks 0 and 1 hold finite gradients in the one-rank case, so one of them reports the failure
+    assert "✗ found_inf_local_only: rank 0: case 'inf on rank 2 only': expected 1.0, got 0.0" in out or \
+           "✗ found_inf_local_only: rank 1: case 'inf on rank 2 only': expected 1.0, got 0.0" in out
