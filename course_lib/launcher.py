@@ -236,6 +236,34 @@ def _agent_exit_codes(agent_log: str) -> dict[int, int]:
     return codes
 
 
+def _add_silent_deaths(attempts: list[Attempt], agent_log: str, run_dir: Path) -> None:
+    """Name the ranks that died without raising: the likely root cause of their peers' errors.
+
+    Such a rank started (pid recorded) but left neither an error file nor a `done` marker, and
+    the agent did not stop it ('Sending process P closing signal SIGTERM'). The agent's
+    'failed (exitcode: -9) ... (pid: P)' line, when it saw that rank first, gives the signal.
+    """
+    stopped = {int(pid) for pid in re.findall(r"Sending process (\d+) closing signal", agent_log)}
+    codes = {int(pid): int(code) for code, pid in
+             re.findall(r"failed \(exitcode: (-?\d+)\) local_rank: \d+ \(pid: (\d+)\)", agent_log)}
+    by_index = {a.index: a for a in attempts}
+    for pid_file in (run_dir / "ranks").glob("attempt_*/*.pid"):
+        index, rank = int(pid_file.parent.name.split("_")[1]), int(pid_file.stem)
+        attempt = by_index.get(index)
+        pid = int(pid_file.read_text() or 0)
+        if (attempt is None or pid in stopped or (pid_file.parent / f"{rank}.done").exists()
+                or rank in {f.rank for f in attempt.failures}):
+            continue
+        code = codes.get(pid)
+        if code is not None and code < 0:
+            summary = f"was killed by {_signal_name(code)}"
+        elif code:
+            summary = f"exited with code {code} without raising"
+        else:
+            summary = "died without raising an exception (killed by a signal, or os._exit)"
+        attempt.failures.insert(0, RankFailure(rank, "signal", summary))
+
+
 def _read_attempt(attempt_dir: Path, run_dir: Path, nproc: int, node_rank: int, cell_source: list[str]) -> Attempt:
     index = int(attempt_dir.name.split("_")[1])
     attempt = Attempt(index)
@@ -410,6 +438,8 @@ def _run(body, nproc, backend, timeout, out, push, stream, init, max_restarts, m
     wall = time.monotonic() - start
 
     attempts = [_read_attempt(d, run_dir, nproc, node_rank, cell_source) for d in _attempt_dirs(run_dir)]
+    if not timed_out:  # on a timeout the launcher itself killed the ranks still running
+        _add_silent_deaths(attempts, "".join(agent_log), run_dir)
     if not stream:
         _emit_default(write, attempts)
     values = _collect_values(run_dir, out) if proc.returncode == 0 and not timed_out else {}

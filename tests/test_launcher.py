@@ -185,6 +185,7 @@ def test_max_restarts_restarts_the_group_after_a_real_process_death():
     assert [a.index for a in result.attempts] == [0, 1]
     assert result.values["attempt"] == [1, 1]
     assert "--- attempt 1 ---" in out.stdout
+    assert "attempt 0 failed: rank 1 " in out.stdout  # the rank that died, not the peer that lost it
 
 
 def test_no_init_leaves_the_group_to_the_cell():
