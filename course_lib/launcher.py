@@ -34,7 +34,11 @@ BACKENDS = ("auto", "gloo", "nccl")
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 _STREAM_PREFIX = re.compile(r"^\[rank(\d+)\]: ?")
 # Lines the ranks' libraries print that teach nothing (kept out of the cell).
-_NOISE = [re.compile(p) for p in (r"^\[Gloo\] Rank \d+ is connected to", r"^\s*$")]
+_NOISE = [re.compile(p) for p in (
+    r"^\[Gloo\] Rank \d+ is connected to",
+    r"^USDT:.*SyncActivityProfilerHandler.*profiler_(start|stop)$",  # kineto's trace points, every profile
+    r"^\s*$",
+)]
 
 
 class LaunchError(ValueError):

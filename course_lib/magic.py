@@ -27,7 +27,8 @@ def _parser() -> _Parser:
                    help="ranks on this node (default 2)")
     p.add_argument("--backend", default="auto", help="auto (nccl with GPUs, else gloo), gloo or nccl")
     p.add_argument("--timeout", default=str(launcher.DEFAULT_TIMEOUT_S),
-                   help=f"wall-clock seconds before every process is ended (default {launcher.DEFAULT_TIMEOUT_S:g})")
+                   help=f"wall-clock seconds for the whole run, start-up included, before every process is ended "
+                        f"(default {launcher.DEFAULT_TIMEOUT_S:g})")
     p.add_argument("--out", default="", help="comma-separated names whose per-rank values come back as lists")
     p.add_argument("--push", default="", help="comma-separated notebook variables sent to every rank")
     p.add_argument("--stream", action="store_true", help="print rank output live, prefixed [rank N]")

@@ -265,8 +265,27 @@ def plot_timeline(ax, events: Sequence[Event], n_ranks: int, title: str = "") ->
 
 class RunRecord(NamedTuple):
     losses: dict[int, float]  # micro-batch -> loss (on the rank holding the last stage)
-    events: list[Event]  # this rank's actions with start/end seconds since `t0`
+    events: list[Event]  # this rank's actions, start/end in time.perf_counter() seconds
     peak: dict[int, int]  # stage -> most activations held at once
+
+
+_MESSAGE_GROUPS: dict[str, dist.ProcessGroup] = {}
+
+
+def message_group() -> dist.ProcessGroup | None:
+    """The group :func:`execute` sends through: the default group when it is gloo, else a gloo group of all ranks.
+
+    NCCL runs a rank's sends and receives with one peer in order on one stream, so
+    "send F to the next rank, then receive B from it" on both sides of a pair can wait
+    on each other (production schedules batch such pairs); gloo matches each message by
+    its tag instead. Under NCCL the gloo group is created on the first call, which every
+    rank must therefore make.
+    """
+    if "gloo" in str(dist.get_backend()):
+        return None
+    if "gloo" not in _MESSAGE_GROUPS:
+        _MESSAGE_GROUPS["gloo"] = dist.new_group(backend="gloo")
+    return _MESSAGE_GROUPS["gloo"]
 
 
 def _tag(action_kind: str, microbatch: int, stage: int, n_microbatches: int) -> int:
@@ -278,7 +297,8 @@ def _tag(action_kind: str, microbatch: int, stage: int, n_microbatches: int) -> 
 def execute(actions: Sequence[Action], modules: dict[int, nn.Module], n_stages: int,
             inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
             loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], activation_shape: Sequence[int], *,
-            stage_ranks: Sequence[int] | None = None, min_seconds: dict[str, float] | None = None) -> RunRecord:
+            stage_ranks: Sequence[int] | None = None, min_seconds: dict[str, float] | None = None,
+            group: dist.ProcessGroup | None = None) -> RunRecord:
     """Run this rank's `actions` over its stage `modules` ({stage: module}); gradients accumulate in them.
 
     inputs/targets: the micro-batches (used by the first/last stage). Every
@@ -287,24 +307,27 @@ def execute(actions: Sequence[Action], modules: dict[int, nn.Module], n_stages: 
     the mean loss over the whole batch. `stage_ranks[s % p]` is the global rank
     holding stage s (default: rank s % p). `min_seconds` pads each action
     to a fixed duration ({"F": ..., "B": ...}), as if every rank had its own device.
+    An event lasts until the rank has the result in hand (a late wake-up counts as busy).
     Event times are seconds of time.perf_counter(), a clock all processes of one
-    machine share, so the ranks' timelines line up.
+    machine share, so the ranks' timelines line up. Messages go through `group`
+    (default: :func:`message_group`), as CPU tensors unless it is the default group.
     """
-    n_ranks = len(stage_ranks) if stage_ranks is not None else dist.get_world_size()
-    stage_ranks = list(stage_ranks) if stage_ranks is not None else list(range(n_ranks))
-    m = len(inputs)
-    device = next(iter(modules.values())).parameters().__next__().device
+    stage_ranks = list(stage_ranks) if stage_ranks is not None else list(range(dist.get_world_size()))
+    n_ranks, m = len(stage_ranks), len(inputs)
+    device = next(next(iter(modules.values())).parameters()).device
+    group = group if group is not None else message_group()
+    wire = device if group is None else torch.device("cpu")  # a gloo side group carries CPU tensors
     saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (stage, mb) -> (input, output)
     peak: dict[int, int] = {}
     losses: dict[int, float] = {}
     events: list[Event] = []
     pending: list = []  # isend handles (their tensors must stay alive until sent)
-    me = stage_ranks.index(dist.get_rank())
+    pipeline_rank = stage_ranks.index(dist.get_rank())
 
     def receive(kind: str, mb: int, src_stage: int) -> torch.Tensor:
-        buf = torch.empty(*activation_shape, device=device)
-        dist.recv(buf, src=stage_ranks[src_stage % n_ranks], tag=_tag(kind, mb, src_stage, m))
-        return buf
+        buf = torch.empty(*activation_shape, device=wire)
+        dist.recv(buf, src=stage_ranks[src_stage % n_ranks], tag=_tag(kind, mb, src_stage, m), group=group)
+        return buf.to(device)
 
     for action in actions:
         kind, mb, stage = action
@@ -333,11 +356,12 @@ def execute(actions: Sequence[Action], modules: dict[int, nn.Module], n_stages: 
             torch.cuda.synchronize(device)  # time the kernels, not their launch
         if min_seconds:  # the result is only "ready" once the emulated compute time has passed
             time.sleep(max(0.0, start + min_seconds[kind] - time.perf_counter()))
-        events.append(Event(me, action, start, time.perf_counter()))
+        events.append(Event(pipeline_rank, action, start, time.perf_counter()))
         # 3. pass the result on without waiting for it to arrive
         if result is not None:
-            work = dist.isend(result, dst=stage_ranks[to_stage % n_ranks], tag=_tag(kind, mb, stage, m))
-            pending.append((work, result))
+            payload = result.to(wire)
+            work = dist.isend(payload, dst=stage_ranks[to_stage % n_ranks], tag=_tag(kind, mb, stage, m), group=group)
+            pending.append((work, payload))
     for work, _ in pending:
         work.wait()
     return RunRecord(losses, events, peak)
@@ -376,7 +400,8 @@ def naive_model_parallel(stage_module: nn.Module, x: torch.Tensor, y: torch.Tens
 
 
 def reference_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> tuple[float, list[torch.Tensor]]:
+                        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                        ) -> tuple[float, list[torch.Tensor]]:
     """Single-process training step on the whole batch: (loss, gradient of every parameter)."""
     model.zero_grad()
     loss = loss_fn(model(x), y)
@@ -421,8 +446,8 @@ def max_gradient_error(modules: dict[int, nn.Module], expected: dict[int, list[t
 
 def pipeline_step(schedule: str, n_microbatches: int, x: torch.Tensor, y: torch.Tensor, *,
                   model: nn.Sequential | None = None, stage_ranks: Sequence[int] | None = None,
-                  n_virtual: int = 2,
-                  min_seconds: dict[str, float] | None = None) -> tuple[RunRecord, dict[int, nn.Module]]:
+                  n_virtual: int = 2, min_seconds: dict[str, float] | None = None,
+                  group: dist.ProcessGroup | None = None) -> tuple[RunRecord, dict[int, nn.Module]]:
     """One from-scratch training step of `schedule` on this rank: (its record, its stage modules).
 
     Ranks not in `stage_ranks` (default: all) must not call it. `min_seconds` is
@@ -440,7 +465,7 @@ def pipeline_step(schedule: str, n_microbatches: int, x: torch.Tensor, y: torch.
         min_seconds = {kind: seconds / v for kind, seconds in min_seconds.items()}
     shape = (xs[0].shape[0], next(iter(modules.values()))[0].in_features)
     record = execute(actions, modules, p * v, xs, ys, loss_fn, shape, stage_ranks=stage_ranks,
-                     min_seconds=min_seconds)
+                     min_seconds=min_seconds, group=group)
     return record, modules
 
 
