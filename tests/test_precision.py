@@ -213,13 +213,6 @@ def test_scaler_equals_gradscaler_on_sharded_ranks(nproc):
 
 
 # exercise candidates for check(): top level, so check() can send their source to the ranks
-def found_inf_reference(grads):
-    found = torch.zeros(())
-    for grad in grads:
-        if not torch.isfinite(grad).all():
-            found.fill_(1.0)
-    dist.all_reduce(found, op=dist.ReduceOp.MAX)
-    return found
 
 
 def found_inf_local_only(grads):
@@ -232,11 +225,11 @@ def found_inf_stub(grads):
 
 def test_exercise_check_names_the_rank(capsys):
     assert check(found_inf_stub, "course_lib.precision:check_found_inf", nproc=3, backend="gloo") is None
-    assert check(found_inf_reference, "course_lib.precision:check_found_inf", nproc=3, backend="gloo") is True
+    assert check(precision.solution_found_inf, "course_lib.precision:check_found_inf", nproc=3, backend="gloo") is True
     assert check(found_inf_local_only, "course_lib.precision:check_found_inf", nproc=3, backend="gloo") is False
     out = capsys.readouterr().out
     assert "found_inf_stub: not attempted yet" in out
-    assert "✓ found_inf_reference: correct on 3 ranks" in out
+    assert "✓ solution_found_inf: correct on 3 ranks" in out
     # ranks 0 and 1 hold finite gradients in the one-rank case, so one of them reports the failure
     assert "✗ found_inf_local_only: rank 0: case 'inf on rank 2 only': expected 1.0, got 0.0" in out or \
            "✗ found_inf_local_only: rank 1: case 'inf on rank 2 only': expected 1.0, got 0.0" in out

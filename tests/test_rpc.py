@@ -1,0 +1,230 @@
+"""course_lib.rpc: the parameter server against data-parallel training, error cases, distributed autograd,
+the exercise checker. Real gloo/TensorPipe runs on 2-4 processes."""
+import warnings
+
+import pytest
+import torch
+
+from course_lib import rpc as rpc_lib
+from course_lib.exercises import check
+from course_lib.launcher import launch
+
+QUIET = dict(write=lambda text, stream: None)
+STEPS = 20
+
+
+# ---- no processes ------------------------------------------------------------------------
+
+
+def test_trainer_batches_are_disjoint_slices_of_one_global_batch():
+    for n_trainers in (1, 2, 3, 4):
+        for step in (0, 7):
+            xs = [rpc_lib.trainer_batch(step, t, n_trainers)[0] for t in range(n_trainers)]
+            rows = torch.cat(xs)
+            assert rows.shape == (16 * n_trainers, 32)
+            assert torch.unique(rows, dim=0).shape[0] == rows.shape[0]  # no row twice
+    # the same trainer gets different data at different steps
+    assert not torch.equal(rpc_lib.trainer_batch(0, 0, 2)[0], rpc_lib.trainer_batch(1, 0, 2)[0])
+
+
+def test_latency_fit_recovers_alpha_and_beta():
+    alpha, beta = 2e-4, 3e9
+    latency = {n: alpha + 2 * n / beta for n in (8, 512, 32768, 4194304)}
+    fit_alpha, fit_beta = rpc_lib.fit_latency_model(latency)
+    assert fit_alpha == pytest.approx(alpha + 16 / beta)
+    assert fit_beta == pytest.approx(beta, rel=1e-4)
+
+
+def test_only_torchs_backend_notice_is_recognised():
+    def record(message, category=UserWarning, filename="/x/torch/distributed/distributed_c10d.py"):
+        return warnings.WarningMessage(message, category, filename, 1)
+
+    notice = ("You are using a Backend <class 'torch.distributed.distributed_c10d.ProcessGroupGloo'> as a "
+              "ProcessGroup. This usage is deprecated since PyTorch 2.0.")
+    assert rpc_lib._is_torch_internal_backend_notice(record(notice))
+    assert not rpc_lib._is_torch_internal_backend_notice(record(notice, category=FutureWarning))
+    assert not rpc_lib._is_torch_internal_backend_notice(record(notice, filename="/x/my_code.py"))
+    assert not rpc_lib._is_torch_internal_backend_notice(record("something else is deprecated"))
+
+
+# ---- parameter server on 2, 3 and 4 processes ---------------------------------------------
+
+PARAMETER_SERVER = f"""
+import os
+import torch.distributed.rpc as rpc
+from course_lib import rpc as rpc_lib
+rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+hidden = rpc_lib.start(rank, world_size)
+runs = {{}}
+if rank == 0:
+    for n_trainers in sorted({{world_size - 1, 4}}):
+        for mode in ("sync", "async"):
+            runs[mode, n_trainers] = rpc_lib.run_parameter_server(mode, n_trainers, world_size, steps={STEPS})
+rpc.shutdown()
+"""
+
+
+@pytest.mark.parametrize("nproc", [2, 3, 4])
+def test_parameter_server_sync_equals_data_parallel_async_converges(nproc):
+    result = launch(PARAMETER_SERVER, nproc, backend="gloo", init=False, out=["runs", "hidden"], **QUIET)
+    runs = result.values["runs"][0]
+    for n_trainers in sorted({nproc - 1, 4}):
+        reference, reference_losses = rpc_lib.data_parallel_reference(n_trainers, steps=STEPS)
+        sync = runs["sync", n_trainers]
+        assert rpc_lib.max_difference(sync["parameters"], reference) < 1e-5, (nproc, n_trainers)
+        assert sync["losses"] == pytest.approx(reference_losses, abs=1e-5)
+        assert sync["losses"][-1] < sync["losses"][0]
+        initial = rpc_lib.max_difference(reference, rpc_lib.snapshot(rpc_lib.make_model()))
+        assert initial > 1e-2  # the comparison is not trivially true: training moved the parameters
+
+        asynchronous = runs["async", n_trainers]
+        assert len(asynchronous["staleness"]) == n_trainers * STEPS
+        assert all(s >= 0 for s in asynchronous["staleness"])
+        assert asynchronous["losses"][-1] < 0.75 * asynchronous["losses"][0]
+        if n_trainers == 1:  # alone, a trainer is never stale and both servers take the same steps
+            assert set(asynchronous["staleness"]) == {0}
+            assert rpc_lib.max_difference(asynchronous["parameters"], sync["parameters"]) < 1e-6
+        else:  # one step per gradient instead of one per round: a different trajectory
+            assert rpc_lib.max_difference(asynchronous["parameters"], sync["parameters"]) > 1e-4
+    # every rank hid exactly torch's one notice, nothing else
+    assert all(len(h) <= 1 for h in result.values["hidden"])
+    assert not any("Warning" in text for text in result.attempts[-1].stderr.values())
+
+
+# ---- error cases ---------------------------------------------------------------------------
+
+ERRORS = """
+import os
+import torch.distributed.rpc as rpc
+from course_lib import rpc as rpc_lib
+rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+caught = []
+with rpc_lib.captured_stderr() as log:
+    rpc_lib.start(rank, world_size)
+    if rank == 1:
+        try:
+            rpc.rpc_sync("server", rpc_lib.fail, args=("bad value",))
+        except Exception as error:
+            caught.append((type(error).__name__, str(error)))
+        try:
+            rpc.rpc_async("server", rpc_lib.fail, args=("in a future",)).wait()
+        except Exception as error:
+            caught.append((type(error).__name__, str(error)))
+        try:
+            rpc.rpc_sync("server", rpc_lib.sleep_then_return, args=(1.0, "late"), timeout=0.2)
+        except Exception as error:
+            caught.append((type(error).__name__, str(error)))
+        try:
+            rpc.rpc_sync("nobody", rpc_lib.who_am_i)
+        except Exception as error:
+            caught.append((type(error).__name__, str(error)))
+        rpc.rpc_sync("server", rpc_lib.wait_for_slow_call)
+    rpc.shutdown()
+server_log = log.getvalue()
+try:
+    rpc.rpc_sync("server", rpc_lib.who_am_i)
+except Exception as error:
+    caught.append((type(error).__name__, str(error)))
+"""
+
+
+def test_error_cases_raise_what_the_notebook_says():
+    assert not hasattr(torch.distributed.rpc, "RPCError") and not hasattr(torch.distributed.rpc, "TimeoutError")
+    result = launch(ERRORS, 2, backend="gloo", init=False, out=["caught", "server_log"], **QUIET)
+    remote, in_future, timeout, unknown, after = result.values["caught"][1]
+    assert remote[0] == "ValueError" and "On WorkerInfo(id=0, name=server)" in remote[1] and "bad value" in remote[1]
+    assert in_future[0] == "ValueError" and "in a future" in in_future[1]
+    assert timeout[0] == "RuntimeError" and "RPC ran for more than set timeout (200 ms)" in timeout[1]
+    assert unknown[0] == "RuntimeError" and "could not find destination name nobody" in unknown[1]
+    assert after[0] == "RuntimeError" and "RPC has not been initialized" in after[1]
+    assert result.values["caught"][0] == [after]  # the server only hit the after-shutdown case
+    assert result.values["server_log"][0].count("On WorkerInfo(id=0, name=server)") == 2
+    assert "On WorkerInfo" not in result.values["server_log"][1]  # the trainer served no failing call
+    # nothing leaked: no warnings, no dropped-reply complaint from the slow call
+    stderr = "\n".join(result.attempts[-1].stderr.values())
+    assert "Warning" not in stderr and "won't send response" not in stderr, stderr
+
+
+# ---- distributed autograd ------------------------------------------------------------------
+
+AUTOGRAD = """
+import os
+import torch
+import torch.distributed.rpc as rpc
+from course_lib import rpc as rpc_lib
+rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+rpc_lib.start(rank, world_size, name=f"worker{rank}")
+distributed = None
+if rank == 0:
+    torch.manual_seed(3)
+    x, y = torch.randn(8, 32), torch.randn(8, 8)
+    distributed = rpc_lib.distributed_training_step(world_size, x, y, lr=0.5)
+rpc.shutdown()
+"""
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_distributed_autograd_and_optimizer_match_local_training(nproc):
+    # with 2 workers, stages 0 and 2 are both built on worker0 by concurrent RPC threads
+    result = launch(AUTOGRAD, nproc, backend="gloo", init=False, out=["distributed"], **QUIET)
+    distributed = result.values["distributed"][0]
+    torch.manual_seed(3)
+    x, y = torch.randn(8, 32), torch.randn(8, 8)
+    local = rpc_lib.local_training_step(x, y, lr=0.5)
+    assert distributed["owners"] == ["worker0", "worker1", f"worker{2 % nproc}"]
+    assert distributed["loss"] == pytest.approx(local["loss"], abs=1e-6)
+    assert rpc_lib.max_difference(distributed["gradients"], local["gradients"]) < 1e-6
+    assert rpc_lib.max_difference(distributed["parameters"], local["parameters"]) < 1e-6
+    before = [p.detach() for p in torch.nn.Sequential(*rpc_lib.three_stage_model()).parameters()]
+    assert rpc_lib.max_difference(distributed["parameters"], before) > 1e-3  # the optimizer did step
+    assert distributed["local_grads_here"] == 2 * distributed["owners"].count("worker0")  # weight and bias
+    stderr = "\n".join(result.attempts[-1].stderr.values())
+    assert "Warning" not in stderr and "TorchScript" not in stderr, stderr
+
+
+# ---- exercise checker ----------------------------------------------------------------------
+
+
+def add_on_owner(counter_rref, amount):
+    counter = counter_rref.local_value()
+    with counter.lock:
+        total = counter.read() + amount
+        counter.write(total)
+    return total
+
+
+def add_without_lock(counter_rref, amount):
+    counter = counter_rref.local_value()
+    total = counter.read() + amount
+    counter.write(total)
+    return total
+
+
+def add_returning_amount(counter_rref, amount):
+    counter = counter_rref.local_value()
+    with counter.lock:
+        counter.write(counter.read() + amount)
+    return amount
+
+
+def test_counter_checker_accepts_the_reference(capsys):
+    assert check(add_on_owner, "course_lib.rpc:check_counter", nproc=3, backend="gloo") is True
+    assert "correct on 3 ranks" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong, says", [
+    (add_without_lock, "total expected 8, got"),
+    (add_returning_amount, "each call must return the total"),
+])
+def test_counter_checker_rejects_wrong_answers(wrong, says, capsys):
+    assert check(wrong, "course_lib.rpc:check_counter", nproc=2, backend="gloo") is False
+    out = capsys.readouterr().out
+    assert "rank 0" in out and says in out, out
+
+
+def test_counter_checker_reports_a_stub(capsys):
+    def add_on_owner(counter_rref, amount):
+        raise NotImplementedError
+
+    assert check(add_on_owner, "course_lib.rpc:check_counter", nproc=2) is None
+    assert "not attempted yet" in capsys.readouterr().out
