@@ -398,8 +398,6 @@ def gradient_error(model: nn.Module, hook: str, x: torch.Tensor, y: torch.Tensor
             nn.functional.mse_loss(m(x), y).backward()
     g_exact = torch.cat([p.grad.reshape(-1) for p in exact.parameters()])
     g_hook = torch.cat([p.grad.reshape(-1) for p in compressed.parameters()])
-    del exact, compressed
-    free_comm_state()
     return ((g_hook - g_exact).norm() / g_exact.norm()).item()
 
 
@@ -413,24 +411,7 @@ def train_with_hook(hook: str, dataset: Dataset, device: torch.device, powersgd_
     model = DDP(MLP().to(device))
     attach_comm_hook(model, hook, powersgd_rank)
     log = train(model, dataset, **train_kwargs)
-    plain = model.module
-    del model
-    free_comm_state()
-    return log, plain
-
-
-def free_comm_state() -> None:
-    """Free unreachable DDP objects and the futures their communication hooks left behind, now.
-
-    Call it (after `del`-eting the models) at the end of a rank's work with comm hooks: a future
-    with a Python callback, or a PowerSGD state, that is still alive when the process group has
-    been destroyed is freed at interpreter exit and can abort the process there (SIGABRT,
-    "terminate called without an active exception"). DDP and its hook state form reference
-    cycles, so only the garbage collector frees them.
-    """
-    import gc
-
-    gc.collect()
+    return log, model.module
 
 
 def _copy(model: nn.Module) -> nn.Module:
@@ -576,4 +557,3 @@ def check_mean_allreduce_hook(fn) -> None:
         _compare_with_torch_ddp(model, "mean_allreduce_hook")
     finally:
         del model
-        free_comm_state()

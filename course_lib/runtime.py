@@ -79,6 +79,14 @@ def seed_everything(seed: int) -> None:
 
 
 def shutdown() -> None:
-    """Destroy the process group if the cell left one behind."""
+    """Destroy the process group if the cell left one behind.
+
+    Unreachable objects that still hold work on the group (futures of DDP communication hooks,
+    PowerSGD state: reference cycles) are collected first: freed after the group is gone, at
+    interpreter exit, they abort the process.
+    """
+    import gc
+
+    gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -103,12 +103,7 @@ def main(run_dir: Path) -> None:
         if config["out"]:
             paths["out"].parent.mkdir(exist_ok=True)
             torch.save({name: namespace[name] for name in config["out"]}, paths["out"])
-        # Free the cell's objects (futures, comm hook states) while the process group still exists:
-        # freed later, during interpreter teardown, some abort the process.
-        namespace.clear()
-        import gc
-
-        gc.collect()
+        namespace.clear()  # the cell's objects must go while the group exists (see runtime.shutdown)
         if config["init"]:
             from course_lib import runtime
 
