@@ -268,7 +268,7 @@ def _add_silent_deaths(attempts: list[Attempt], agent_log: str, run_dir: Path) -
         attempt.failures.insert(0, RankFailure(rank, "signal", summary))
 
 
-def _read_attempt(attempt_dir: Path, run_dir: Path, nproc: int, node_rank: int, cell_source: list[str]) -> Attempt:
+def _read_attempt(attempt_dir: Path, run_dir: Path, nproc: int, node_rank: int) -> Attempt:
     index = int(attempt_dir.name.split("_")[1])
     attempt = Attempt(index)
     cell_file = str(run_dir / "cell.py")
@@ -284,14 +284,14 @@ def _read_attempt(attempt_dir: Path, run_dir: Path, nproc: int, node_rank: int, 
                 store[rank] = "\n".join(l for l in text.splitlines() if not _STREAM_PREFIX.match(l))
         error_file = rank_dir / "error.json"
         if error_file.exists():
-            failure = _failure_from_error_file(rank, error_file, cell_file, cell_source)
+            failure = _failure_from_error_file(rank, error_file, cell_file)
             attempt.failures.append((error_file.stat().st_mtime_ns, failure))
     # Earliest error first: the root cause, before the ranks that lost a peer because of it.
     attempt.failures = [f for _, f in sorted(attempt.failures, key=lambda item: item[0])]
     return attempt
 
 
-def _failure_from_error_file(rank: int, path: Path, cell_file: str, cell_source: list[str]) -> RankFailure:
+def _failure_from_error_file(rank: int, path: Path, cell_file: str) -> RankFailure:
     data = json.loads(path.read_text())["message"]
     callstack = data["extraInfo"]["py_callstack"]
     lines = [int(m) for m in re.findall(rf'File "{re.escape(cell_file)}", line (\d+)', callstack)]
@@ -441,7 +441,7 @@ def _run(body, nproc, backend, timeout, out, push, stream, init, max_restarts, m
         _ACTIVE.pop(proc.pid, None)
     wall = time.monotonic() - start
 
-    attempts = [_read_attempt(d, run_dir, nproc, node_rank, cell_source) for d in _attempt_dirs(run_dir)]
+    attempts = [_read_attempt(d, run_dir, nproc, node_rank) for d in _attempt_dirs(run_dir)]
     if not timed_out:  # on a timeout the launcher itself killed the ranks still running
         _add_silent_deaths(attempts, "".join(agent_log), run_dir)
     if not stream:
@@ -457,7 +457,7 @@ def _run(body, nproc, backend, timeout, out, push, stream, init, max_restarts, m
             f"Every process was ended ({len(running)} workers killed). Look for a collective "
             f"that not every rank calls, or raise --timeout.", failures, result)
     if proc.returncode != 0:
-        failures = _final_failures(attempts, result.agent_log, run_dir, nproc, node_rank)
+        failures = _final_failures(attempts, result.agent_log)
         if not failures:
             tail = "\n".join(result.agent_log.strip().splitlines()[-15:])
             raise RankFailedError(f"torchrun failed before the ranks ran (exit {proc.returncode}):\n{tail}",
@@ -518,7 +518,7 @@ def _running_ranks(run_dir: Path, node_rank: int, nproc: int) -> list[int]:
     return [r for r in started if not (attempts[-1] / f"{r}.done").exists()]
 
 
-def _final_failures(attempts, agent_log, run_dir, nproc, node_rank) -> list[RankFailure]:
+def _final_failures(attempts: list[Attempt], agent_log: str) -> list[RankFailure]:
     """Who failed in the last attempt, and how: raised, killed by a signal, or stopped by torchrun."""
     raised = attempts[-1].failures if attempts else []
     failed = {f.rank for f in raised}

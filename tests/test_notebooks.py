@@ -6,7 +6,6 @@ their default parameters and compares with the stored outputs.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import nbformat
 import pytest

@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from course_lib import precision
 from course_lib.exercises import check
