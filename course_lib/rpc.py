@@ -175,6 +175,15 @@ def trainer_batch(step: int, trainer: int, n_trainers: int, batch_size: int = 16
     return data.tensors[0][rows], data.tensors[1][rows]
 
 
+def full_data_loss(parameters: list[torch.Tensor]) -> float:
+    """Loss of `parameters` on the whole data set: convergence measured without mini-batch noise."""
+    model = make_model()
+    load_parameters(model, parameters)
+    x, y = _dataset(512).tensors
+    with torch.no_grad():
+        return nn.functional.mse_loss(model(x), y).item()
+
+
 def loss_and_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, list[torch.Tensor]]:
     loss = nn.functional.mse_loss(model(x), y)
     grads = torch.autograd.grad(loss, list(model.parameters()))

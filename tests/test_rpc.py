@@ -80,7 +80,9 @@ def test_parameter_server_sync_equals_data_parallel_async_converges(nproc):
         asynchronous = runs["async", n_trainers]
         assert len(asynchronous["staleness"]) == n_trainers * STEPS
         assert all(s >= 0 for s in asynchronous["staleness"])
-        assert asynchronous["losses"][-1] < 0.75 * asynchronous["losses"][0]
+        # converges: measured on the whole data set, free of mini-batch noise (staleness varies run to run)
+        start = rpc_lib.full_data_loss(rpc_lib.snapshot(rpc_lib.make_model()))
+        assert rpc_lib.full_data_loss(asynchronous["parameters"]) < 0.75 * start
         if n_trainers == 1:  # alone, a trainer is never stale and both servers take the same steps
             assert set(asynchronous["staleness"]) == {0}
             assert rpc_lib.max_difference(asynchronous["parameters"], sync["parameters"]) < 1e-6
