@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
+from course_lib.runtime import rank_device
+
 FORMAT = "course_lib.checkpoint/1"
 METADATA = "metadata.json"
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -58,11 +60,6 @@ def sharded_mlp(seed: int = 0, **mlp_kwargs) -> torch.nn.Module:
     return model
 
 
-def rank_device() -> torch.device:
-    """This rank's GPU under NCCL, the CPU under gloo (what course_lib.runtime chose)."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:

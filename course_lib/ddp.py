@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from course_lib.exercises import ExerciseFailed, expect_equal
+from course_lib.runtime import rank_device
 
 MB = 1024 * 1024
 
@@ -498,9 +499,6 @@ def solution_mean_allreduce_hook(state, bucket):
     return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
-def rank_device() -> torch.device:
-    """This rank's device: its GPU under NCCL (set by init_distributed), else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def _exercise_batches(steps: int = 3):

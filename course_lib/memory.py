@@ -24,6 +24,8 @@ import math
 import torch
 from torch import nn
 
+from course_lib.runtime import local_tensor
+
 GB = 1e9  # decimal gigabytes, as in the ZeRO paper and GPU data sheets
 
 # (bytes per parameter, per gradient, of optimizer state per parameter)
@@ -61,22 +63,18 @@ def calculator_table(n_params: float, world_size: int, precision: str = "mixed (
 # ---- counting what a rank holds -------------------------------------------------------------------
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
     """Bytes of the elements this rank holds (a DTensor's local shard)."""
-    t = _local(t)
+    t = local_tensor(t)
     return t.numel() * t.element_size()
 
 
 def allocated_bytes(t: torch.Tensor) -> int:
     """Bytes of the storage behind the local tensor: more than tensor_bytes when it is a view
     into a padded buffer (fully_shard pads every shard to ceil(rows / N) rows)."""
-    return _local(t).untyped_storage().nbytes()
+    return local_tensor(t).untyped_storage().nbytes()
 
 
 def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -96,7 +94,7 @@ def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
         """Bytes of the wrapper's full copies, plus those of the tensors that are not views into them."""
         inside = {t.untyped_storage().data_ptr() for t in full_copies}
         return sum(size(t) for t in full_copies) + sum(
-            size(t) for t in tensors if _local(t).untyped_storage().data_ptr() not in inside)
+            size(t) for t in tensors if local_tensor(t).untyped_storage().data_ptr() not in inside)
 
     held = {"params": count(extra.get("params", []), params),
             "grads": count(extra.get("grads", []), [p.grad for p in params if p.grad is not None]),

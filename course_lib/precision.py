@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from course_lib.exercises import ExerciseFailed
+from course_lib.runtime import local_tensor
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -258,9 +259,6 @@ def rank_batches(n_steps: int, global_batch: int, device: torch.device, seed: in
              y[s * global_batch:(s + 1) * global_batch][rank::world].to(device)) for s in range(n_steps)]
 
 
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard, or the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 # ---------------------------------------------------------------------------------------------

@@ -61,6 +61,18 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0, seed: int 
     return RankContext(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
 
 
+def rank_device() -> torch.device:
+    """This rank's device: its GPU under NCCL (set by init_distributed), else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank, or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _agent_store(timeout_s: float) -> dist.Store:
     """A client of the TCP store torchrun's agent serves at MASTER_ADDR:MASTER_PORT."""
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),

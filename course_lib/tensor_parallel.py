@@ -26,6 +26,7 @@ from torch import nn
 
 from course_lib.exercises import ExerciseFailed
 from course_lib.models import Attention, TransformerBlock
+from course_lib.runtime import local_tensor
 
 # Collectives issued by the from-scratch operators, by name and direction ("forward all_reduce": 2, ...).
 COMMS: Counter = Counter()
@@ -253,9 +254,6 @@ def torch_parallel_block(mesh, sequence_parallel: bool = False, **block_args) ->
     return parallelize_module(TransformerBlock(**block_args), mesh, tp_plan(sequence_parallel))
 
 
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's shard on this rank, or the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def full_gradients(block: nn.Module) -> dict[str, torch.Tensor]:
