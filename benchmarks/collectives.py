@@ -6,6 +6,7 @@
 Runs alternate (ring, torch, ring, torch, ...) inside one launch, so a slow phase of a shared
 machine hits both alike; each time is the slowest rank's; the figure is the median of the runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from course_lib import collectives, launcher  # noqa: E402
+from course_lib import collectives, launcher
 
 BODY = r"""
 from course_lib import collectives as C
@@ -35,27 +36,39 @@ def main() -> None:
 
     size = int(args.mb * 2**20)
     sweep = [4 * 2**10 * 4**k for k in range(8)] if args.sweep else []  # 4 KB ... 64 MB
-    body = (BODY.replace("SIZE", str(size)).replace("REPEATS", str(args.repeats))
-            .replace("SWEEP", repr(sweep)))
-    result = launcher.launch(body, args.nproc, backend=args.backend, out=["ratio_rows", "sweep_rows"],
-                             timeout=900, write=lambda text, stream: None)
+    body = BODY.replace("SIZE", str(size)).replace("REPEATS", str(args.repeats)).replace("SWEEP", repr(sweep))
+    result = launcher.launch(
+        body,
+        args.nproc,
+        backend=args.backend,
+        out=["ratio_rows", "sweep_rows"],
+        timeout=900,
+        write=lambda text, stream: None,
+    )
     rows = result.values["ratio_rows"][0]
     by_name = {row["name"]: row for row in rows}
     ring, torch_ar = by_name["ring_all_reduce"], by_name["all_reduce"]
-    print(f"{args.nproc} ranks, {result.backend}, {collectives.human_bytes(ring['bytes'])} float32, "
-          f"median of {args.repeats} alternating runs (slowest rank per run):")
+    print(
+        f"{args.nproc} ranks, {result.backend}, {collectives.human_bytes(ring['bytes'])} float32, "
+        f"median of {args.repeats} alternating runs (slowest rank per run):"
+    )
     print(collectives.format_table(rows))
     ratio = ring["seconds"] / torch_ar["seconds"]
-    print(f"ring_all_reduce / dist.all_reduce time = {ratio:.2f}  (goal <= 2.0: {'met' if ratio <= 2.0 else 'NOT met'})")
+    print(
+        f"ring_all_reduce / dist.all_reduce time = {ratio:.2f}  (goal <= 2.0: {'met' if ratio <= 2.0 else 'NOT met'})"
+    )
     if sweep:
         sweep_rows = result.values["sweep_rows"][0]
         print("\nsweep (median of 5):")
         print(collectives.format_table(sorted(sweep_rows, key=lambda r: (r["name"], r["bytes"]))))
         ar = [r for r in sweep_rows if r["name"] == "all_reduce"]
-        alpha, beta = collectives.fit_alpha_beta("all_reduce", [r["bytes"] for r in ar],
-                                                 [r["seconds"] for r in ar], args.nproc)
-        print(f"\nalpha-beta fit to dist.all_reduce: alpha = {alpha * 1e6:.0f} us per message, "
-              f"bandwidth 1/beta = {1 / beta / 1e9 if beta else float('inf'):.2f} GB/s")
+        alpha, beta = collectives.fit_alpha_beta(
+            "all_reduce", [r["bytes"] for r in ar], [r["seconds"] for r in ar], args.nproc
+        )
+        print(
+            f"\nalpha-beta fit to dist.all_reduce: alpha = {alpha * 1e6:.0f} us per message, "
+            f"bandwidth 1/beta = {1 / beta / 1e9 if beta else float('inf'):.2f} GB/s"
+        )
 
 
 if __name__ == "__main__":

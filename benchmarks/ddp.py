@@ -7,6 +7,7 @@ alternating between them so that load changes on the machine hit both alike, and
 median time of a training step (forward, backward with the gradient all-reduce, Adam step).
 Goal from the issue: MinimalDDP / torch DDP <= 1.5 on the course model.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,7 +15,7 @@ import statistics
 
 from course_lib.launcher import launch
 
-BODY = r'''
+BODY = r"""
 import time
 from torch.nn.parallel import DistributedDataParallel as DDP
 from course_lib.ddp import MinimalDDP
@@ -41,7 +42,7 @@ for label, shape, batch in (("course MLP", {}, 48), ("big MLP", dict(d_in=256, d
             if repeat:
                 times[name].append(elapsed.item())
     results[label] = times
-'''
+"""
 
 
 def main() -> None:
@@ -50,8 +51,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
-    run = launch(BODY, args.nproc, backend="gloo", out=["results"], push={"repeats": args.repeats, "steps": args.steps},
-                 env={"OMP_NUM_THREADS": "1"}, timeout=600, write=lambda text, stream: None)
+    run = launch(
+        BODY,
+        args.nproc,
+        backend="gloo",
+        out=["results"],
+        push={"repeats": args.repeats, "steps": args.steps},
+        env={"OMP_NUM_THREADS": "1"},
+        timeout=600,
+        write=lambda text, stream: None,
+    )
     results = run.values["results"][0]
     print(f"{args.nproc} ranks, gloo, median of {args.repeats} alternating runs of {args.steps} steps")
     print(f"{'model':12} {'MinimalDDP ms':>14} {'torch DDP ms':>13} {'ratio':>7}")

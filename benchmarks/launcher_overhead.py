@@ -5,6 +5,7 @@ number of ranks, and prints the median wall time of each and their ratio (goal <
 
     .venv/bin/python benchmarks/launcher_overhead.py [--nproc 2] [--repeats 7]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,11 +35,10 @@ def main() -> None:
     with open(script, "w") as f:  # the same program, as plain torchrun users write it
         f.write(launcher.standalone_script(BODY, backend="gloo", nproc=args.nproc))
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.nproc))}
-    bare_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc-per-node={args.nproc}", script]
+    bare_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}", script]
 
     magic, bare = [], []
-    quiet = lambda text, stream: None  # noqa: E731 - printing is not what is measured
+    quiet = lambda text, stream: None
     for i in range(args.repeats + 1):  # the first round warms the file cache and is dropped
         start = time.perf_counter()
         launcher.launch(BODY, args.nproc, backend="gloo", write=quiet)

@@ -9,6 +9,7 @@ alternate inside each repeat, and the table gives the bubble of the fastest step
 Versus torch: the same 1F1B / GPipe step, real compute only, alternating ours and torch's; the figure
 is the median step time (slowest rank) and the ratio ours / torch.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,7 +20,8 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from course_lib import launcher, pipeline as pp  # noqa: E402
+from course_lib import launcher
+from course_lib import pipeline as pp
 
 BODY = r"""
 import time
@@ -87,18 +89,33 @@ def main() -> None:
     p = args.nproc
     microbatches = sorted({1, 2, 4, 8, 16, p, 2 * p, 4 * p})
     batch = 16 * p * 3  # divisible by every m above
-    settings = dict(batch=batch, ms=args.ms, repeats=args.repeats, microbatches=microbatches,
-                    versus_torch=args.versus_torch, width=args.width)
-    result = launcher.launch(BODY, p, backend=args.backend, out=["runs", "versus"], push=settings, timeout=900,
-                             write=lambda text, stream: None)
+    settings = dict(
+        batch=batch,
+        ms=args.ms,
+        repeats=args.repeats,
+        microbatches=microbatches,
+        versus_torch=args.versus_torch,
+        width=args.width,
+    )
+    result = launcher.launch(
+        BODY,
+        p,
+        backend=args.backend,
+        out=["runs", "versus"],
+        push=settings,
+        timeout=900,
+        write=lambda text, stream: None,
+    )
 
     timelines, peaks = defaultdict(list), defaultdict(dict)
     for rank_runs in result.values["runs"]:
         for schedule, m, repeat, events, peak in rank_runs:
             timelines[(schedule, m, repeat)] += events
             peaks[(schedule, m)].update(peak)
-    print(f"{p} stages, {result.backend}, actions padded to {args.ms:g} ms forward / {2 * args.ms:g} ms backward, "
-          f"{args.repeats} alternating repeats")
+    print(
+        f"{p} stages, {result.backend}, actions padded to {args.ms:g} ms forward / {2 * args.ms:g} ms backward, "
+        f"{args.repeats} alternating repeats"
+    )
     print(f"{'schedule':17} {'m':>3} {'fastest ms':>10} {'bubble':>7} {'median':>7} {'formula':>8} {'peak rank 0':>11}")
     steps = {}
     for schedule in pp.SCHEDULES:
@@ -112,8 +129,10 @@ def main() -> None:
             v = 2 if schedule == "interleaved 1F1B" else 1
             steps[(schedule, m)] = statistics.median(spans)
             held = sum(n for s, n in peaks[(schedule, m)].items() if s % p == 0) / v
-            print(f"{schedule:17} {m:>3} {1e3 * spans[fastest]:>10.1f} {bubbles[fastest]:>7.3f} "
-                  f"{statistics.median(bubbles):>7.3f} {pp.ideal_bubble(p, m, v):>8.3f} {held:>11g}")
+            print(
+                f"{schedule:17} {m:>3} {1e3 * spans[fastest]:>10.1f} {bubbles[fastest]:>7.3f} "
+                f"{statistics.median(bubbles):>7.3f} {pp.ideal_bubble(p, m, v):>8.3f} {held:>11g}"
+            )
     for m in (2 * p, 4 * p):
         ratio = steps[("interleaved 1F1B", m)] / steps[("1F1B", m)]
         ideal = (2 * m + p - 1) / 2 / (m + p - 1)
@@ -125,7 +144,9 @@ def main() -> None:
         print(f"\nunpadded step, width {args.width}, m = {2 * p}, median of {args.repeats} alternating runs:")
         for schedule in ("GPipe", "1F1B"):
             ours, theirs = (statistics.median(times[(schedule, who)]) for who in ("ours", "torch"))
-            print(f"{schedule:6} ours {1e3 * ours:7.1f} ms   torch {1e3 * theirs:7.1f} ms   ours / torch = {ours / theirs:.2f}")
+            print(
+                f"{schedule:6} ours {1e3 * ours:7.1f} ms   torch {1e3 * theirs:7.1f} ms   ours / torch = {ours / theirs:.2f}"
+            )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ n = 8192) and the ratio to fp32. CPU: median time of a forward+backward step of 
 fp32, bf16 autocast and a pure bf16 model, alternating between them so load changes hit all alike; and the bytes of
 parameters and saved activations in fp32 vs bf16 (ratio asked by the issue: about 0.5).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,7 +41,7 @@ def cpu(repeats: int, batch: int) -> None:
         "bf16 model": (MLP(d_hidden=512).to(torch.bfloat16), x.bfloat16(), y.bfloat16(), None),
     }
     times = {name: [] for name in modes}
-    for repeat in range(repeats + 1):          # repeat 0 warms up
+    for repeat in range(repeats + 1):  # repeat 0 warms up
         for name, (model, xs, ys, autocast_dtype) in modes.items():
             start = time.perf_counter()
             for _ in range(5):

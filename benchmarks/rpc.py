@@ -7,6 +7,7 @@ alternating rounds, median per size), then the two parameter servers of course_l
 turns `--repeats` times. Prints the latency table with the fitted alpha/beta model and the
 throughput ratio batching / lock-per-update (medians).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,20 +40,29 @@ def main() -> None:
     parser.add_argument("--trainers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
-    body = (BODY.replace("REPEATS_LATENCY", str(2 * args.repeats + 1)).replace("REPEATS", str(args.repeats))
-            .replace("TRAINERS", str(args.trainers)).replace("STEPS", str(args.steps)))
-    result = launch(body, args.nproc, backend="gloo", init=False, out=["latency", "server_wall"],
-                    write=lambda text, stream: None)
+    body = (
+        BODY.replace("REPEATS_LATENCY", str(2 * args.repeats + 1))
+        .replace("REPEATS", str(args.repeats))
+        .replace("TRAINERS", str(args.trainers))
+        .replace("STEPS", str(args.steps))
+    )
+    result = launch(
+        body, args.nproc, backend="gloo", init=False, out=["latency", "server_wall"], write=lambda text, stream: None
+    )
     latency, wall = result.values["latency"][0], result.values["server_wall"][0]
     alpha, beta = rpc_lib.fit_latency_model(latency)
     print(f"rpc_sync(echo) round trip, {args.nproc} processes, median of {2 * args.repeats + 1} alternating rounds")
     print(f"fit t(n) = alpha + 2n/beta: alpha = {alpha * 1e6:.0f} us, beta = {beta / 1e9:.2f} GB/s")
     print(f"{'bytes':>9} {'measured us':>12} {'model us':>9} {'MB/s both ways':>15}")
     for n in sorted(latency):
-        print(f"{n:>9} {latency[n] * 1e6:>12.0f} {(alpha + 2 * n / beta) * 1e6:>9.0f} {2 * n / latency[n] / 1e6:>15.3g}")
+        print(
+            f"{n:>9} {latency[n] * 1e6:>12.0f} {(alpha + 2 * n / beta) * 1e6:>9.0f} {2 * n / latency[n] / 1e6:>15.3g}"
+        )
     updates = args.trainers * args.steps
     sync, lock = statistics.median(wall["sync"]), statistics.median(wall["async"])
-    print(f"\nparameter servers, {args.trainers} trainers x {args.steps} steps, median of {args.repeats} alternating runs")
+    print(
+        f"\nparameter servers, {args.trainers} trainers x {args.steps} steps, median of {args.repeats} alternating runs"
+    )
     print(f"batching (sync)        : {updates / sync:8.0f} gradients/s")
     print(f"lock per update (async): {updates / lock:8.0f} gradients/s")
     print(f"ratio batching / lock-per-update: {lock / sync:.2f}")

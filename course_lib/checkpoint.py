@@ -14,6 +14,7 @@ and the metadata are on disk. A checkpoint directory is therefore complete or ab
 sizes and checksums, and :func:`latest_complete` resumes from the newest checkpoint that passes.
 :func:`train_resumable` is the fault-tolerant training loop run under ``torchrun --max-restarts``.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -60,8 +61,6 @@ def sharded_mlp(seed: int = 0, **mlp_kwargs) -> torch.nn.Module:
     return model
 
 
-
-
 def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.Adam(model.parameters(), lr=1e-2)
 
@@ -73,9 +72,9 @@ def batch_for_step(data, step: int, global_batch: int, rank: int, world_size: in
     per_epoch = n // global_batch
     epoch, index = divmod(step, per_epoch)
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
-    batch = order[index * global_batch:(index + 1) * global_batch]
+    batch = order[index * global_batch : (index + 1) * global_batch]
     per_rank = global_batch // world_size
-    mine = batch[rank * per_rank:(rank + 1) * per_rank]
+    mine = batch[rank * per_rank : (rank + 1) * per_rank]
     x, y = data.tensors
     return x[mine], y[mine]
 
@@ -132,8 +131,13 @@ def load_full_snapshot(path: str | os.PathLike, model, optimizer) -> int:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     snapshot = torch.load(path, map_location="cpu", weights_only=True)
-    set_state_dict(model, optimizer, model_state_dict=snapshot["model"], optim_state_dict=snapshot["optimizer"],
-                   options=StateDictOptions(full_state_dict=True))
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=snapshot["model"],
+        optim_state_dict=snapshot["optimizer"],
+        options=StateDictOptions(full_state_dict=True),
+    )
     return snapshot["step"]
 
 
@@ -159,14 +163,12 @@ class AppState(Stateful):
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
-        return {"model": model_state, "optimizer": optimizer_state, "step": self.step,
-                "rng": torch.get_rng_state()}
+        return {"model": model_state, "optimizer": optimizer_state, "step": self.step, "rng": torch.get_rng_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         self.step = state["step"]
         torch.set_rng_state(state["rng"])
 
@@ -329,11 +331,15 @@ def save_sharded(root: str | os.PathLike, step: int, state: dict[str, Any], *, n
             start, stop = shard_rows(value.shape[0], world_size, rank)
             local = value.to_local()
             if local.shape[0] != stop - start:
-                raise CheckpointError(f"{name}: rank {rank} holds {local.shape[0]} rows, expected {stop - start} "
-                                      "(only dim-0 sharding over the whole world is supported)")
+                raise CheckpointError(
+                    f"{name}: rank {rank} holds {local.shape[0]} rows, expected {stop - start} "
+                    "(only dim-0 sharding over the whole world is supported)"
+                )
             mine[name] = local.detach().cpu().clone()
-            chunks = [{"file": f"shard_{r}.pt", "rows": list(shard_rows(value.shape[0], world_size, r))}
-                      for r in range(world_size)]
+            chunks = [
+                {"file": f"shard_{r}.pt", "rows": list(shard_rows(value.shape[0], world_size, r))}
+                for r in range(world_size)
+            ]
         elif isinstance(value, torch.Tensor):
             if rank == 0:
                 mine[name] = value.detach().cpu().clone()
@@ -342,8 +348,11 @@ def save_sharded(root: str | os.PathLike, step: int, state: dict[str, Any], *, n
         else:
             objects[name] = value
             continue
-        entries[name] = {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch."),
-                         "chunks": [c for c in chunks if c["rows"][0] < c["rows"][1] or value.dim() == 0]}
+        entries[name] = {
+            "shape": list(value.shape),
+            "dtype": str(value.dtype).removeprefix("torch."),
+            "chunks": [c for c in chunks if c["rows"][0] < c["rows"][1] or value.dim() == 0],
+        }
     shard = partial / f"shard_{rank}.pt"
     torch.save({"tensors": mine, "objects": objects if rank == 0 else {}}, shard)
     with open(shard, "rb+") as f:
@@ -355,9 +364,13 @@ def save_sharded(root: str | os.PathLike, step: int, state: dict[str, Any], *, n
     else:
         files = [info]
     if rank == 0:
-        metadata = {"format": FORMAT, "step": step, "world_size": world_size,
-                    "files": {f["file"]: {"bytes": f["bytes"], "sha256": f["sha256"]} for f in files},
-                    "tensors": entries}
+        metadata = {
+            "format": FORMAT,
+            "step": step,
+            "world_size": world_size,
+            "files": {f["file"]: {"bytes": f["bytes"], "sha256": f["sha256"]} for f in files},
+            "tensors": entries,
+        }
         (partial / METADATA).write_text(json.dumps(metadata, indent=1))  # the last file of the checkpoint
         _commit(partial, final)
     _barrier(no_dist)
@@ -393,8 +406,9 @@ def verify(directory: str | os.PathLike) -> dict[str, Any]:
             raise CheckpointError(f"{name}/{file}: missing")
         size = path.stat().st_size
         if size != expected["bytes"]:
-            raise CheckpointError(f"{name}/{file}: truncated or overwritten: {size} bytes, "
-                                  f"metadata records {expected['bytes']}")
+            raise CheckpointError(
+                f"{name}/{file}: truncated or overwritten: {size} bytes, metadata records {expected['bytes']}"
+            )
         if _sha256(path) != expected["sha256"]:
             raise CheckpointError(f"{name}/{file}: corrupt: SHA-256 differs from the metadata")
     return metadata
@@ -405,7 +419,7 @@ def _verify_dcp(directory: Path) -> dict[str, Any]:
 
     try:
         metadata = dcp.FileSystemReader(directory).read_metadata()
-    except Exception as error:  # noqa: BLE001 - any failure to read it means an unusable checkpoint
+    except Exception as error:
         raise CheckpointError(f"{directory.name}/.metadata: unreadable ({type(error).__name__})") from None
     needed: dict[str, int] = {}
     for info in metadata.storage_data.values():
@@ -415,8 +429,9 @@ def _verify_dcp(directory: Path) -> dict[str, Any]:
         if not path.exists():
             raise CheckpointError(f"{directory.name}/{file}: missing")
         if path.stat().st_size < size:
-            raise CheckpointError(f"{directory.name}/{file}: truncated: {path.stat().st_size} bytes, "
-                                  f"the metadata indexes {size}")
+            raise CheckpointError(
+                f"{directory.name}/{file}: truncated: {path.stat().st_size} bytes, the metadata indexes {size}"
+            )
     return {"format": "dcp", "files": {f: {"bytes": s} for f, s in needed.items()}}
 
 
@@ -447,8 +462,10 @@ def load_sharded(directory: str | os.PathLike, state: dict[str, Any]) -> dict[st
     objects = shard("shard_0.pt")["objects"]
     missing = [n for n, t in flat.items() if isinstance(t, torch.Tensor) and n not in metadata["tensors"]]
     if missing:
-        raise CheckpointError(f"{directory.name}: has no tensor {missing[0]!r} ({len(missing)} of this model's "
-                              f"tensors missing): a checkpoint from a different model")
+        raise CheckpointError(
+            f"{directory.name}: has no tensor {missing[0]!r} ({len(missing)} of this model's "
+            f"tensors missing): a checkpoint from a different model"
+        )
     files_read: dict[str, list[str]] = {}
     for name, target in flat.items():
         if not isinstance(target, torch.Tensor):
@@ -458,11 +475,14 @@ def load_sharded(directory: str | os.PathLike, state: dict[str, Any]) -> dict[st
             continue
         entry = metadata["tensors"][name]
         if entry["shape"] != list(target.shape):
-            raise CheckpointError(f"{directory.name}: {name!r} was saved with shape {entry['shape']}, "
-                                  f"this model has {list(target.shape)}: a checkpoint from a different model")
+            raise CheckpointError(
+                f"{directory.name}: {name!r} was saved with shape {entry['shape']}, "
+                f"this model has {list(target.shape)}: a checkpoint from a different model"
+            )
         if entry["dtype"] != str(target.dtype).removeprefix("torch."):
-            raise CheckpointError(f"{directory.name}: {name!r} was saved as {entry['dtype']}, "
-                                  f"this model has {target.dtype}")
+            raise CheckpointError(
+                f"{directory.name}: {name!r} was saved as {entry['dtype']}, this model has {target.dtype}"
+            )
         if isinstance(target, DTensor):
             start, stop = shard_rows(target.shape[0], world_size, rank)
             local = target.to_local()
@@ -478,7 +498,7 @@ def load_sharded(directory: str | os.PathLike, state: dict[str, Any]) -> dict[st
             if target.dim() == 0:
                 local.copy_(saved)
             else:
-                local[lo - start:hi - start].copy_(saved[lo - chunk["rows"][0]:hi - chunk["rows"][0]])
+                local[lo - start : hi - start].copy_(saved[lo - chunk["rows"][0] : hi - chunk["rows"][0]])
             files_read[name].append(chunk["file"])
     loaded = _unflatten(flat)
     for key, value in state.items():
@@ -509,8 +529,7 @@ def latest_complete(root: str | os.PathLike) -> tuple[Path | None, list[tuple[st
     root = Path(root)
     if not root.is_dir():
         return None, []
-    candidates = sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name))),
-                        reverse=True)
+    candidates = sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name))), reverse=True)
     skipped = [(p.name, "uncommitted") for p in sorted(root.glob("step_*.tmp"))]
     for _, path in candidates:
         try:
@@ -530,8 +549,16 @@ def reference_find_latest_complete(root):
 # 5. The fault-tolerant loop
 
 
-def train_resumable(root: str | os.PathLike, total_steps: int, every: int, *, kill_at: int | None = None,
-                    kill_rank: int = -1, global_batch: int = 48, log: str | os.PathLike | None = None):
+def train_resumable(
+    root: str | os.PathLike,
+    total_steps: int,
+    every: int,
+    *,
+    kill_at: int | None = None,
+    kill_rank: int = -1,
+    global_batch: int = 48,
+    log: str | os.PathLike | None = None,
+):
     """Train `total_steps` steps with a DCP checkpoint every `every` steps, resuming from the newest complete one.
 
     In the first attempt (TORCHELASTIC_RESTART_COUNT=0), rank `kill_rank` (-1: the last) dies by SIGKILL
@@ -585,7 +612,9 @@ def local_state(model, optimizer) -> torch.Tensor:
 # 6. How long a save stalls training
 
 
-def time_saves(root: str | os.PathLike, mode: str, steps: int = 8, every: int = 2, **mlp_kwargs) -> dict[str, list[float]]:
+def time_saves(
+    root: str | os.PathLike, mode: str, steps: int = 8, every: int = 2, **mlp_kwargs
+) -> dict[str, list[float]]:
     """Train `steps` steps of an FSDP2 MLP, saving after every `every`-th with mode "none", "sync" or "async".
 
     Returns this rank's seconds per step ("step", a saving step including its save) and the seconds the
@@ -627,6 +656,7 @@ def time_saves(root: str | os.PathLike, mode: str, steps: int = 8, every: int = 
 
 def _exercise_fixtures(base: Path) -> list[tuple[str, Path, str | None]]:
     """Directories of checkpoints, good and bad, each with the expected answer (a directory name or None)."""
+
     def save(root: Path, step: int) -> Path:
         return save_sharded(root, step, {"weights": torch.arange(6.0) + step, "step": step}, no_dist=True)
 
@@ -636,8 +666,8 @@ def _exercise_fixtures(base: Path) -> list[tuple[str, Path, str | None]]:
         save(root, step)
     shard = root / "step_10" / "shard_0.pt"
     shard.write_bytes(shard.read_bytes()[:-20])
-    save(root, 11).rename(root / "step_11.tmp")                    # committed name removed: never finished
-    (root / "step_12").mkdir()                                     # a directory with no metadata
+    save(root, 11).rename(root / "step_11.tmp")  # committed name removed: never finished
+    (root / "step_12").mkdir()  # a directory with no metadata
     (root / "notes.txt").write_text("not a checkpoint")
     cases.append(("the newest is truncated, newer ones are partial", root, "step_9"))
     root = base / "numeric_order"
@@ -662,7 +692,7 @@ def check_find_latest_complete(find_latest_complete) -> None:
         for what, root, expected in _exercise_fixtures(Path(base)):
             try:
                 got = find_latest_complete(str(root))
-            except Exception as error:  # noqa: BLE001 - the message must say which case broke it
+            except Exception as error:
                 raise ExerciseFailed(f"{what}: raised {type(error).__name__}: {error}") from None
             got_name = None if got is None else Path(got).name
             if got_name != expected:
@@ -673,8 +703,9 @@ def full_state(model, optimizer) -> dict[str, Any]:
     """The whole model and optimizer state as flat {name: tensor} on rank 0 ({} elsewhere): for comparisons."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    model_state, optimizer_state = get_state_dict(model, optimizer,
-                                                  options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    model_state, optimizer_state = get_state_dict(
+        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     return flat_tensors({"model": model_state, "optimizer": optimizer_state})
 
 

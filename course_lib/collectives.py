@@ -17,11 +17,12 @@ every chunk's size, so no sizes need to be exchanged.
 :func:`ring_step` is the schedule (which chunk each rank sends and receives at
 step k); the implementation and the notebook's step-by-step figure both use it.
 """
+
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -150,11 +151,11 @@ def _ring_reduce_scatter_(flat: torch.Tensor, offsets: list[int], op_name: str, 
         send_chunk, recv_chunk = ring_step(rank, n, step, "reduce_scatter")
         start, end = offsets[recv_chunk], offsets[recv_chunk + 1]
         received = incoming[: end - start]
-        send_recv(flat[offsets[send_chunk]:offsets[send_chunk + 1]], (rank + 1) % n, received, (rank - 1) % n, group)
+        send_recv(flat[offsets[send_chunk] : offsets[send_chunk + 1]], (rank + 1) % n, received, (rank - 1) % n, group)
         combine(flat[start:end], received)  # add what the left neighbour has accumulated so far
         _after_step("reduce_scatter", step, flat)
     if op_name == "AVG":
-        flat[offsets[rank]:offsets[rank + 1]].div_(n)
+        flat[offsets[rank] : offsets[rank + 1]].div_(n)
 
 
 def _ring_all_gather_(flat: torch.Tensor, offsets: list[int], group=None) -> None:
@@ -162,8 +163,13 @@ def _ring_all_gather_(flat: torch.Tensor, offsets: list[int], group=None) -> Non
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     for step in range(n - 1):
         send_chunk, recv_chunk = ring_step(rank, n, step, "all_gather")
-        send_recv(flat[offsets[send_chunk]:offsets[send_chunk + 1]], (rank + 1) % n,
-                  flat[offsets[recv_chunk]:offsets[recv_chunk + 1]], (rank - 1) % n, group)
+        send_recv(
+            flat[offsets[send_chunk] : offsets[send_chunk + 1]],
+            (rank + 1) % n,
+            flat[offsets[recv_chunk] : offsets[recv_chunk + 1]],
+            (rank - 1) % n,
+            group,
+        )
         _after_step("all_gather", step, flat)
 
 
@@ -182,7 +188,7 @@ def ring_reduce_scatter(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) 
     flat = tensor.detach().reshape(-1).clone()
     _ring_reduce_scatter_(flat, offsets, _op_name(op), group)
     rank = dist.get_rank(group)
-    return flat[offsets[rank]:offsets[rank + 1]].clone()
+    return flat[offsets[rank] : offsets[rank + 1]].clone()
 
 
 def ring_all_gather(chunk: torch.Tensor, sizes: Sequence[int] | None = None, group=None) -> torch.Tensor:
@@ -194,11 +200,13 @@ def ring_all_gather(chunk: torch.Tensor, sizes: Sequence[int] | None = None, gro
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     sizes = [chunk.numel()] * n if sizes is None else list(sizes)
     if len(sizes) != n or sizes[rank] != chunk.numel():
-        raise ValueError(f"rank {rank}: sizes {sizes} must list {n} chunk sizes, with sizes[{rank}] = "
-                         f"{chunk.numel()} (this rank's chunk)")
+        raise ValueError(
+            f"rank {rank}: sizes {sizes} must list {n} chunk sizes, with sizes[{rank}] = "
+            f"{chunk.numel()} (this rank's chunk)"
+        )
     offsets = chunk_offsets(sizes)
     flat = torch.empty(offsets[-1], dtype=chunk.dtype, device=chunk.device)
-    flat[offsets[rank]:offsets[rank + 1]] = chunk.detach().reshape(-1)
+    flat[offsets[rank] : offsets[rank + 1]] = chunk.detach().reshape(-1)
     _ring_all_gather_(flat, offsets, group)
     return flat
 
@@ -274,9 +282,14 @@ def bus_factor(collective: str, world_size: int) -> float:
     and N: all_reduce 2(N-1)/N, all_gather and reduce_scatter (N-1)/N, broadcast 1.
     """
     n = world_size
-    return {"all_reduce": 2 * (n - 1) / n, "ring_all_reduce": 2 * (n - 1) / n,
-            "naive_all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n,
-            "reduce_scatter": (n - 1) / n, "broadcast": 1.0}[collective]
+    return {
+        "all_reduce": 2 * (n - 1) / n,
+        "ring_all_reduce": 2 * (n - 1) / n,
+        "naive_all_reduce": 2 * (n - 1) / n,
+        "all_gather": (n - 1) / n,
+        "reduce_scatter": (n - 1) / n,
+        "broadcast": 1.0,
+    }[collective]
 
 
 def alpha_beta_time(collective: str, nbytes: float, world_size: int, alpha: float, beta: float) -> float:
@@ -285,13 +298,20 @@ def alpha_beta_time(collective: str, nbytes: float, world_size: int, alpha: floa
     Ring all-reduce sends 2(N-1) messages, all_gather / reduce_scatter N-1, broadcast (chain) N-1.
     """
     n = world_size
-    messages = {"all_reduce": 2 * (n - 1), "ring_all_reduce": 2 * (n - 1), "all_gather": n - 1,
-                "reduce_scatter": n - 1, "broadcast": n - 1, "naive_all_reduce": 2 * (n - 1)}[collective]
+    messages = {
+        "all_reduce": 2 * (n - 1),
+        "ring_all_reduce": 2 * (n - 1),
+        "all_gather": n - 1,
+        "reduce_scatter": n - 1,
+        "broadcast": n - 1,
+        "naive_all_reduce": 2 * (n - 1),
+    }[collective]
     return messages * alpha + bytes_sent_per_rank(collective, nbytes, n) * beta
 
 
-def fit_alpha_beta(collective: str, nbytes: Sequence[float], seconds: Sequence[float],
-                   world_size: int) -> tuple[float, float]:
+def fit_alpha_beta(
+    collective: str, nbytes: Sequence[float], seconds: Sequence[float], world_size: int
+) -> tuple[float, float]:
     """Fit alpha (s) and beta (s/byte) of :func:`alpha_beta_time` to measured times.
 
     Least squares on the relative error, so the small messages (which fix alpha) count as much as
@@ -328,8 +348,13 @@ def collective_calls(world_size: int) -> dict[str, Callable[[torch.Tensor, torch
     }
 
 
-def benchmark(sizes_bytes: Sequence[int], names: Sequence[str], repeats: int = 5,
-              device: torch.device | str = "cpu", warmup: int = 1) -> list[dict]:
+def benchmark(
+    sizes_bytes: Sequence[int],
+    names: Sequence[str],
+    repeats: int = 5,
+    device: torch.device | str = "cpu",
+    warmup: int = 1,
+) -> list[dict]:
     """Time each collective at each size on every rank; call on all ranks.
 
     Runs alternate (size by size, one run of each collective in turn, `repeats` rounds), so slow
@@ -362,8 +387,9 @@ def benchmark(sizes_bytes: Sequence[int], names: Sequence[str], repeats: int = 5
         for name in names:
             seconds = statistics.median(times[name])
             algbw = size / seconds
-            rows.append({"name": name, "bytes": size, "seconds": seconds, "algbw": algbw,
-                         "busbw": algbw * bus_factor(name, n)})
+            rows.append(
+                {"name": name, "bytes": size, "seconds": seconds, "algbw": algbw, "busbw": algbw * bus_factor(name, n)}
+            )
     return rows
 
 
@@ -371,8 +397,10 @@ def format_table(rows: Sequence[dict]) -> str:
     """Benchmark rows as a text table (time in µs, bandwidths in MB/s)."""
     lines = [f"{'collective':>17} {'size':>9} {'time':>12} {'algbw':>14} {'busbw':>14}"]
     for row in rows:
-        lines.append(f"{row['name']:>17} {human_bytes(row['bytes']):>9} {row['seconds'] * 1e6:>9.0f} us "
-                     f"{row['algbw'] / 1e6:>9.1f} MB/s {row['busbw'] / 1e6:>9.1f} MB/s")
+        lines.append(
+            f"{row['name']:>17} {human_bytes(row['bytes']):>9} {row['seconds'] * 1e6:>9.0f} us "
+            f"{row['algbw'] / 1e6:>9.1f} MB/s {row['busbw'] / 1e6:>9.1f} MB/s"
+        )
     return "\n".join(lines)
 
 
@@ -407,8 +435,9 @@ def ring_all_reduce_states(world_size: int) -> list[dict]:
                 receiver = (r + 1) % n
                 assert moves[receiver][1] == send_chunk  # the schedule pairs every send with a receive
                 incoming = holds[r][send_chunk]
-                new[receiver][send_chunk] = (holds[receiver][send_chunk] | incoming if phase == "reduce_scatter"
-                                             else incoming)
+                new[receiver][send_chunk] = (
+                    holds[receiver][send_chunk] | incoming if phase == "reduce_scatter" else incoming
+                )
             holds = new
             states.append({"phase": phase, "step": step, "sends": [m[0] for m in moves], "holds": holds})
     return states
@@ -433,19 +462,37 @@ def draw_ring_step(world_size: int, step: int, ax=None):
             count = len(state["holds"][r][c])
             ax.add_patch(plt.Rectangle((c, n - 1 - r), 0.94, 0.9, color=cmap(0.15 + 0.8 * count / n)))
             label = "Σ" if count == n else "+".join(str(k) for k in sorted(state["holds"][r][c]))
-            ax.text(c + 0.47, n - 0.45 - r, label, ha="center", va="center", fontsize=8,
-                    color="white" if count == n else "black")
+            ax.text(
+                c + 0.47,
+                n - 0.45 - r,
+                label,
+                ha="center",
+                va="center",
+                fontsize=8,
+                color="white" if count == n else "black",
+            )
         sent = state["sends"][r]
         if sent is not None:  # framed in red, with its destination: what rank r sent at this step
             ax.add_patch(plt.Rectangle((sent, n - 1 - r), 0.94, 0.9, fill=False, edgecolor="crimson", lw=2))
-            ax.text(sent + 0.47, n - 0.8 - r, f"sent → r{(r + 1) % n}", ha="center", va="center", fontsize=7,
-                    color="crimson", bbox=dict(facecolor="white", edgecolor="none", pad=1))
+            ax.text(
+                sent + 0.47,
+                n - 0.8 - r,
+                f"sent → r{(r + 1) % n}",
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="crimson",
+                bbox=dict(facecolor="white", edgecolor="none", pad=1),
+            )
     ax.set_xlim(0, n)
     ax.set_ylim(0, n)
     ax.set_xticks([c + 0.47 for c in range(n)], [f"chunk {c}" for c in range(n)], fontsize=8)
     ax.set_yticks([n - 0.55 - r for r in range(n)], [f"rank {r}" for r in range(n)], fontsize=8)
-    what = "start: rank r holds only its own data" if state["step"] is None else (
-        f"{state['phase'].replace('_', '-')} step {state['step'] + 1} of {n - 1}")
+    what = (
+        "start: rank r holds only its own data"
+        if state["step"] is None
+        else (f"{state['phase'].replace('_', '-')} step {state['step'] + 1} of {n - 1}")
+    )
     ax.set_title(f"ring all-reduce, N = {n}: {what}", fontsize=9)
     return ax
 
@@ -494,9 +541,22 @@ def solution_all_gather(chunk: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     return ring_all_gather(chunk, sizes)
 
 
-_FORBIDDEN = ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor",
-              "all_gather", "all_gather_single", "all_gather_into_tensor", "gather", "scatter", "broadcast",
-              "all_to_all", "all_to_all_single", "all_gather_object")
+_FORBIDDEN = (
+    "all_reduce",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
+    "all_gather",
+    "all_gather_single",
+    "all_gather_into_tensor",
+    "gather",
+    "scatter",
+    "broadcast",
+    "all_to_all",
+    "all_to_all_single",
+    "all_gather_object",
+)
 
 
 class _OnlyPointToPoint:
@@ -505,9 +565,12 @@ class _OnlyPointToPoint:
     def __enter__(self):
         self.saved = {name: getattr(dist, name) for name in _FORBIDDEN if hasattr(dist, name)}
         for name in self.saved:
+
             def refuse(*args, _name=name, **kwargs):
-                raise ExerciseFailed(f"dist.{_name} is not allowed here: use dist.send/recv, isend/irecv "
-                                     f"or batch_isend_irecv")
+                raise ExerciseFailed(
+                    f"dist.{_name} is not allowed here: use dist.send/recv, isend/irecv or batch_isend_irecv"
+                )
+
             setattr(dist, name, refuse)
         return self
 
@@ -540,8 +603,11 @@ def check_reduce_scatter(fn) -> None:
         expected = torch.tensor_split(total, n)[rank]
         with _OnlyPointToPoint():
             got = fn(data.clone())
-        expect_equal(f"reduce_scatter of {numel} elements on {n} ranks (chunk {rank})",
-                     got.reshape(-1) if isinstance(got, torch.Tensor) else got, expected)
+        expect_equal(
+            f"reduce_scatter of {numel} elements on {n} ranks (chunk {rank})",
+            got.reshape(-1) if isinstance(got, torch.Tensor) else got,
+            expected,
+        )
 
 
 def check_all_gather(fn) -> None:
@@ -553,5 +619,8 @@ def check_all_gather(fn) -> None:
         chunk = torch.tensor_split(full, n)[rank].clone()
         with _OnlyPointToPoint():
             got = fn(chunk, sizes)
-        expect_equal(f"all_gather of {numel} elements on {n} ranks (chunk sizes {sizes})",
-                     got.reshape(-1) if isinstance(got, torch.Tensor) else got, full)
+        expect_equal(
+            f"all_gather of {numel} elements on {n} ranks (chunk sizes {sizes})",
+            got.reshape(-1) if isinstance(got, torch.Tensor) else got,
+            full,
+        )

@@ -5,6 +5,7 @@ init_device_mesh); each parallelism is a function applied to a model over a mesh
 (:func:`apply_tp`, :func:`apply_fsdp`, :func:`pipeline_stage`); :func:`plan` estimates memory and
 communication per GPU for a (dp, tp, pp) choice on a real cluster.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,8 +35,10 @@ def coordinates(rank: int, pp: int, dp: int, tp: int) -> dict[str, int]:
 def rank_grid(world_size: int, pp: int, dp: int, tp: int) -> dict[str, list[list[int]]]:
     """Every group of every dimension, by hand: the ranks that differ only in that coordinate."""
     if pp * dp * tp != world_size:
-        raise ValueError(f"pp x dp x tp = {pp} x {dp} x {tp} = {pp * dp * tp}, but the world has {world_size} "
-                         f"ranks: choose sizes whose product is the world size")
+        raise ValueError(
+            f"pp x dp x tp = {pp} x {dp} x {tp} = {pp * dp * tp}, but the world has {world_size} "
+            f"ranks: choose sizes whose product is the world size"
+        )
     groups: dict[str, dict[tuple, list[int]]] = {name: {} for name in DIMS}
     for rank in range(world_size):
         c = coordinates(rank, pp, dp, tp)
@@ -104,7 +107,7 @@ def stage_blocks(model: nn.Sequential, pp_rank: int, pp: int) -> nn.Sequential:
     if len(model) % pp:
         raise ValueError(f"{len(model)} blocks do not split into {pp} equal stages")
     per = len(model) // pp
-    return nn.Sequential(*list(model)[pp_rank * per:(pp_rank + 1) * per])
+    return nn.Sequential(*list(model)[pp_rank * per : (pp_rank + 1) * per])
 
 
 def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -165,8 +168,9 @@ class ModelShape:
 LLAMA_70B = ModelShape(n_params=70e9, layers=80, hidden=8192, heads=64)
 
 
-def activation_bytes_per_layer(m: ModelShape, tp: int, sequence_parallel: bool = True,
-                               recompute: str = "selective") -> float:
+def activation_bytes_per_layer(
+    m: ModelShape, tp: int, sequence_parallel: bool = True, recompute: str = "selective"
+) -> float:
     """Activations one layer keeps for backward, per micro-batch, 16-bit (Korthikanti et al. 2022):
 
     s*b*h * (10 + 24/t + 5*a*s/(h*t))   plain tensor parallel
@@ -182,9 +186,20 @@ def activation_bytes_per_layer(m: ModelShape, tp: int, sequence_parallel: bool =
     return s * b * h * (linear + attention_scores)
 
 
-def plan(m: ModelShape, dp: int, tp: int, pp: int, gpus_per_node: int = 8, *, global_batch: int = 1024,
-         intra_node_GBps: float = 450.0, inter_node_GBps: float = 50.0, zero_stage: int = 3,
-         sequence_parallel: bool = True, recompute: str = "selective") -> dict[str, float]:
+def plan(
+    m: ModelShape,
+    dp: int,
+    tp: int,
+    pp: int,
+    gpus_per_node: int = 8,
+    *,
+    global_batch: int = 1024,
+    intra_node_GBps: float = 450.0,
+    inter_node_GBps: float = 50.0,
+    zero_stage: int = 3,
+    sequence_parallel: bool = True,
+    recompute: str = "selective",
+) -> dict[str, float]:
     """Memory per GPU (GB) and communication per GPU per step (GB, and seconds at the given link speeds).
 
     Parameters, gradients and Adam state (mixed precision, 16 bytes/param) are split over tp x pp and
@@ -209,10 +224,18 @@ def plan(m: ModelShape, dp: int, tp: int, pp: int, gpus_per_node: int = 8, *, gl
     dp_link = intra_node_GBps if tp * dp <= gpus_per_node else inter_node_GBps
     pp_link = intra_node_GBps if tp * dp * pp <= gpus_per_node else inter_node_GBps
     return {
-        "dp": dp, "tp": tp, "pp": pp, "gpus": dp * tp * pp,
-        "params_GB": state["params"] / GB, "grads_GB": state["grads"] / GB, "optimizer_GB": state["optimizer"] / GB,
-        "activations_GB": activations / GB, "memory_GB": (state["total"] + activations) / GB,
-        "tp_comm_GB": tp_bytes / GB, "dp_comm_GB": dp_bytes / GB, "pp_comm_GB": pp_bytes / GB,
+        "dp": dp,
+        "tp": tp,
+        "pp": pp,
+        "gpus": dp * tp * pp,
+        "params_GB": state["params"] / GB,
+        "grads_GB": state["grads"] / GB,
+        "optimizer_GB": state["optimizer"] / GB,
+        "activations_GB": activations / GB,
+        "memory_GB": (state["total"] + activations) / GB,
+        "tp_comm_GB": tp_bytes / GB,
+        "dp_comm_GB": dp_bytes / GB,
+        "pp_comm_GB": pp_bytes / GB,
         "comm_s": tp_bytes / (intra_node_GBps * GB) + dp_bytes / (dp_link * GB) + pp_bytes / (pp_link * GB),
         "bubble": (pp - 1) / (n_microbatches + pp - 1),
     }
@@ -230,14 +253,18 @@ def plan_options(m: ModelShape, n_gpus: int, gpus_per_node: int = 8, **kwargs) -
 
 
 def format_plan(rows: list[dict[str, float]]) -> str:
-    head = (f"{'dp':>3} {'tp':>3} {'pp':>3} {'params':>7} {'grads':>6} {'optim':>6} {'activ':>6} {'memory':>7}"
-            f" {'TP comm':>8} {'DP comm':>8} {'PP comm':>8} {'comm s':>7} {'bubble':>7}")
+    head = (
+        f"{'dp':>3} {'tp':>3} {'pp':>3} {'params':>7} {'grads':>6} {'optim':>6} {'activ':>6} {'memory':>7}"
+        f" {'TP comm':>8} {'DP comm':>8} {'PP comm':>8} {'comm s':>7} {'bubble':>7}"
+    )
     lines = [head, " " * 12 + "(GB per GPU)" + " " * 28 + "(GB per GPU per step)"]
     for r in rows:
-        lines.append(f"{r['dp']:>3} {r['tp']:>3} {r['pp']:>3} {r['params_GB']:>7.1f} {r['grads_GB']:>6.1f} "
-                     f"{r['optimizer_GB']:>6.1f} {r['activations_GB']:>6.1f} {r['memory_GB']:>7.1f} "
-                     f"{r['tp_comm_GB']:>8.1f} {r['dp_comm_GB']:>8.1f} {r['pp_comm_GB']:>8.2f} "
-                     f"{r['comm_s']:>7.2f} {r['bubble']:>7.1%}")
+        lines.append(
+            f"{r['dp']:>3} {r['tp']:>3} {r['pp']:>3} {r['params_GB']:>7.1f} {r['grads_GB']:>6.1f} "
+            f"{r['optimizer_GB']:>6.1f} {r['activations_GB']:>6.1f} {r['memory_GB']:>7.1f} "
+            f"{r['tp_comm_GB']:>8.1f} {r['dp_comm_GB']:>8.1f} {r['pp_comm_GB']:>8.2f} "
+            f"{r['comm_s']:>7.2f} {r['bubble']:>7.1%}"
+        )
     return "\n".join(lines)
 
 

@@ -1,4 +1,5 @@
 """Synthetic data sets: deterministic, small, learnable."""
+
 from __future__ import annotations
 
 import torch

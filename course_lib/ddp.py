@@ -14,12 +14,13 @@ them), each full bucket all-reduced asynchronously while backward continues, one
 of backward, before the optimizer step. ``no_sync()`` skips the communication for gradient
 accumulation. The rest of the module holds what notebook 02 measures with it.
 """
+
 from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -42,11 +43,11 @@ class Bucket:
     index: int
     params: list[nn.Parameter]
     buffer: torch.Tensor
-    pending: int = 0                      # gradients not yet ready in this backward
-    work: dist.Work | None = None         # the in-flight all-reduce
+    pending: int = 0  # gradients not yet ready in this backward
+    work: dist.Work | None = None  # the in-flight all-reduce
     done_future: torch.futures.Future | None = None
-    launched_at: float = 0.0              # time.perf_counter() when the all-reduce started
-    done_at: float = 0.0                  # ... and when it completed
+    launched_at: float = 0.0  # time.perf_counter() when the all-reduce started
+    done_at: float = 0.0  # ... and when it completed
 
     @property
     def nbytes(self) -> int:
@@ -56,7 +57,7 @@ class Bucket:
         """Each parameter with the slice of the buffer that carries its gradient."""
         offset = 0
         for p in self.params:
-            yield p, self.buffer[offset:offset + p.numel()]
+            yield p, self.buffer[offset : offset + p.numel()]
             offset += p.numel()
 
 
@@ -149,7 +150,9 @@ class MinimalDDP(nn.Module):
             torch.mul(p.grad.reshape(-1), 1.0 / self.world_size, out=view)
         bucket.launched_at = time.perf_counter()
         bucket.work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
-        bucket.done_future = bucket.work.get_future().then(lambda _, b=bucket: setattr(b, "done_at", time.perf_counter()))
+        bucket.done_future = bucket.work.get_future().then(
+            lambda _, b=bucket: setattr(b, "done_at", time.perf_counter())
+        )
 
     @torch.no_grad()
     def _finish(self) -> None:
@@ -159,10 +162,12 @@ class MinimalDDP(nn.Module):
         for b in self.buckets:
             b.pending = len(b.params)
         if missing:
-            raise RuntimeError(f"{sum(b.pending for b in missing)} parameter(s) got no gradient in this backward; "
-                               "MinimalDDP cannot wait for them (torch DDP: find_unused_parameters=True)")
+            raise RuntimeError(
+                f"{sum(b.pending for b in missing)} parameter(s) got no gradient in this backward; "
+                "MinimalDDP cannot wait for them (torch DDP: find_unused_parameters=True)"
+            )
         for b in self.buckets:
-            b.work.wait()                 # the only place backward waits for the network
+            b.work.wait()  # the only place backward waits for the network
             b.done_future.wait()
             for p, view in b.views():
                 p.grad.copy_(view.view_as(p))
@@ -201,7 +206,7 @@ def check_gradient_sync(model: nn.Module, atol: float = 0.0, group=None) -> floa
         if float(local) > atol:
             offset = 0
             for name, p in named:
-                if (mine[offset:offset + p.numel()] - reference[offset:offset + p.numel()]).abs().max() > atol:
+                if (mine[offset : offset + p.numel()] - reference[offset : offset + p.numel()]).abs().max() > atol:
                     where = f"; here on rank {dist.get_rank(group)} first in {name}"
                     break
                 offset += p.numel()
@@ -252,8 +257,8 @@ def global_loader(dataset: Dataset, batch: int, epoch: int, seed: int = 0) -> Da
 
 @dataclass
 class TrainLog:
-    losses: list[float] = field(default_factory=list)       # mean loss over each global batch
-    bytes_sent: list[int] = field(default_factory=list)     # per step, by this process (gloo only)
+    losses: list[float] = field(default_factory=list)  # mean loss over each global batch
+    bytes_sent: list[int] = field(default_factory=list)  # per step, by this process (gloo only)
 
 
 def bytes_written() -> int:
@@ -265,10 +270,21 @@ def bytes_written() -> int:
     return 0
 
 
-def train(model: nn.Module, dataset: Dataset, *, global_batch: int, epochs: int, lr: float = 1e-2,
-          accumulation: int = 1, max_grad_norm: float | None = 1.0, distributed: bool = True,
-          check_sync: bool = False, seed: int = 0, optimizer: torch.optim.Optimizer | None = None,
-          first_epoch: int = 0) -> TrainLog:
+def train(
+    model: nn.Module,
+    dataset: Dataset,
+    *,
+    global_batch: int,
+    epochs: int,
+    lr: float = 1e-2,
+    accumulation: int = 1,
+    max_grad_norm: float | None = 1.0,
+    distributed: bool = True,
+    check_sync: bool = False,
+    seed: int = 0,
+    optimizer: torch.optim.Optimizer | None = None,
+    first_epoch: int = 0,
+) -> TrainLog:
     """Adam on `dataset` in global batches of `global_batch`, single-process or data-parallel.
 
     Data-parallel: each rank takes global_batch / N samples per step, in `accumulation` micro-batches;
@@ -283,8 +299,11 @@ def train(model: nn.Module, dataset: Dataset, *, global_batch: int, epochs: int,
     optimizer = optimizer or torch.optim.Adam(model.parameters(), lr=lr)
     log = TrainLog()
     for epoch in range(first_epoch, epochs):
-        loader = (rank_loader(dataset, global_batch // (n * accumulation), epoch, seed) if distributed
-                  else global_loader(dataset, global_batch // accumulation, epoch, seed))
+        loader = (
+            rank_loader(dataset, global_batch // (n * accumulation), epoch, seed)
+            if distributed
+            else global_loader(dataset, global_batch // accumulation, epoch, seed)
+        )
         batches = iter(loader)
         for _ in range(len(loader) // accumulation):
             step_loss = torch.zeros((), device=device)
@@ -346,13 +365,20 @@ def attach_comm_hook(ddp_model: nn.Module, name: str, powersgd_rank: int = 2):
         return None
     if name == "bf16":
         native = torch.cuda.is_available() and dist.get_backend() == "nccl"
-        ddp_model.register_comm_hook(None, default_hooks.bf16_compress_hook if native else bf16_compress_hook_any_backend)
+        ddp_model.register_comm_hook(
+            None, default_hooks.bf16_compress_hook if native else bf16_compress_hook_any_backend
+        )
         return None
     if name == "powersgd":
         # start_powerSGD_iter=2: the first two steps are exact (PowerSGD's default waits 1000 steps
         # to get past the fast-changing start of training; our runs are much shorter).
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=powersgd_rank,
-                                            start_powerSGD_iter=2, min_compression_rate=2.0, random_seed=0)
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=powersgd_rank,
+            start_powerSGD_iter=2,
+            min_compression_rate=2.0,
+            random_seed=0,
+        )
         ddp_model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         return state
     raise ValueError(f"unknown hook {name!r}; choose from {COMM_HOOKS}")
@@ -382,8 +408,9 @@ def ring_bytes(payload: int, world_size: int) -> float:
     return 2 * (world_size - 1) / world_size * payload
 
 
-def gradient_error(model: nn.Module, hook: str, x: torch.Tensor, y: torch.Tensor, repeats: int = 3,
-                   powersgd_rank: int = 2) -> float:
+def gradient_error(
+    model: nn.Module, hook: str, x: torch.Tensor, y: torch.Tensor, repeats: int = 3, powersgd_rank: int = 2
+) -> float:
     """Relative error ||g_hook - g_exact|| / ||g_exact|| of the averaged gradient, at the same weights.
 
     Runs `repeats` backward passes on the same batch (PowerSGD's first steps are exact) and
@@ -402,8 +429,9 @@ def gradient_error(model: nn.Module, hook: str, x: torch.Tensor, y: torch.Tensor
     return ((g_hook - g_exact).norm() / g_exact.norm()).item()
 
 
-def train_with_hook(hook: str, dataset: Dataset, device: torch.device, powersgd_rank: int = 2,
-                    **train_kwargs) -> tuple[TrainLog, nn.Module]:
+def train_with_hook(
+    hook: str, dataset: Dataset, device: torch.device, powersgd_rank: int = 2, **train_kwargs
+) -> tuple[TrainLog, nn.Module]:
     """Train the course MLP under torch DDP with one of COMM_HOOKS; returns the log and the plain model."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -441,8 +469,14 @@ def timed_allreduce_hook(events: list):
     return hook
 
 
-def simulate_buckets(grad_bytes_in_order: list[int], grad_ready_s: list[float], bucket_cap_mb: float,
-                     latency_s: float, bandwidth_Bps: float, world_size: int):
+def simulate_buckets(
+    grad_bytes_in_order: list[int],
+    grad_ready_s: list[float],
+    bucket_cap_mb: float,
+    latency_s: float,
+    bandwidth_Bps: float,
+    world_size: int,
+):
     """Model of bucketed all-reduce during backward.
 
     Gradients (in the order backward produces them) become ready at `grad_ready_s`; a bucket is sent
@@ -478,8 +512,7 @@ def overlap_fraction(calls: list[tuple[float, float]], backward_s: float) -> flo
 # ---- memory per rank --------------------------------------------------------------------------
 
 
-def ddp_bytes_per_rank(n_params: int, param_bytes: int = 4, optimizer_states: int = 2,
-                       bucket_copy: bool = True) -> int:
+def ddp_bytes_per_rank(n_params: int, param_bytes: int = 4, optimizer_states: int = 2, bucket_copy: bool = True) -> int:
     """Every rank holds everything: weights + gradients + optimizer states (+ the bucket copy of the
     gradients unless gradient_as_bucket_view=True). Activations come on top and scale with B/N."""
     copies = 1 + 1 + optimizer_states + (1 if bucket_copy else 0)
@@ -499,8 +532,6 @@ def solution_mean_allreduce_hook(state, bucket):
     return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
-
-
 def _exercise_batches(steps: int = 3):
     from course_lib.data import regression
 
@@ -508,7 +539,7 @@ def _exercise_batches(steps: int = 3):
     rank, n = dist.get_rank(), dist.get_world_size()
     for s in range(steps):
         lo = (s * n + rank) * 16
-        yield data.tensors[0][lo:lo + 16].to(rank_device()), data.tensors[1][lo:lo + 16].to(rank_device())
+        yield data.tensors[0][lo : lo + 16].to(rank_device()), data.tensors[1][lo : lo + 16].to(rank_device())
 
 
 def _compare_with_torch_ddp(candidate: nn.Module, what: str, steps: int = 3) -> None:
@@ -527,8 +558,13 @@ def _compare_with_torch_ddp(candidate: nn.Module, what: str, steps: int = 3) -> 
             if p.grad is None:
                 raise ExerciseFailed(f"step {step}: {name} has no gradient after backward")
             # check() prefixes the rank that failed first
-            expect_equal(f"step {step}: gradient of {name} (torch DDP's is the average over ranks)",
-                         p.grad, q.grad, atol=1e-6, rtol=1e-4)
+            expect_equal(
+                f"step {step}: gradient of {name} (torch DDP's is the average over ranks)",
+                p.grad,
+                q.grad,
+                atol=1e-6,
+                rtol=1e-4,
+            )
         opt_ref.step()
         opt.step()
 

@@ -10,6 +10,7 @@
 - :func:`trace_event_names`, :func:`allreduce_sizes`: what a chrome trace written by torch.profiler holds;
 - the exercise's reference solution and checker.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,15 @@ from course_lib.exercises import ExerciseFailed
 # Keys that differ between ranks by design; every other key should be equal on all ranks.
 PER_RANK_KEYS = ("rank", "local_rank", "pid", "device")
 
-DEBUG_ENV = ("TORCH_DISTRIBUTED_DEBUG", "TORCH_CPP_LOG_LEVEL", "NCCL_DEBUG", "TORCH_NCCL_TRACE_BUFFER_SIZE",
-             "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS")
+DEBUG_ENV = (
+    "TORCH_DISTRIBUTED_DEBUG",
+    "TORCH_CPP_LOG_LEVEL",
+    "NCCL_DEBUG",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "OMP_NUM_THREADS",
+)
 
 
 def environment_report(device: torch.device | str = "cpu") -> dict[str, str]:
@@ -71,8 +79,10 @@ def differing_keys(reports: list[dict[str, str]]) -> list[str]:
 
 # ---- TORCH_DISTRIBUTED_DEBUG=DETAIL ----------------------------------------------------------------
 
-_FINGERPRINT = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+), "
-                          r"OpType=(\w+), TensorShape=\[([\d, ]*)\]")
+_FINGERPRINT = re.compile(
+    r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+), "
+    r"OpType=(\w+), TensorShape=\[([\d, ]*)\]"
+)
 
 
 def mismatch_fingerprints(message: str) -> list[tuple[int, int, str, tuple[int, ...]]]:
@@ -80,8 +90,10 @@ def mismatch_fingerprints(message: str) -> list[tuple[int, int, str, tuple[int, 
 
     The full message also prints tensor options and is long; these four fields are what differ.
     """
-    return [(int(r), int(seq), op, tuple(int(s) for s in shape.replace(" ", "").split(",") if s))
-            for r, seq, op, shape in _FINGERPRINT.findall(message)]
+    return [
+        (int(r), int(seq), op, tuple(int(s) for s in shape.replace(" ", "").split(",") if s))
+        for r, seq, op, shape in _FINGERPRINT.findall(message)
+    ]
 
 
 # ---- the debugger ----------------------------------------------------------------------------------
@@ -172,8 +184,10 @@ class DistributedDebugger:
         broken = high.isinf() | low.isinf()
         if broken.any():
             first = list(self.names.values())[int(broken.nonzero()[0])]
-            raise NonFiniteError(f"gradients hold NaN/Inf on some rank, first in '{first}': "
-                                 f"watch_nonfinite() names the module where it started")
+            raise NonFiniteError(
+                f"gradients hold NaN/Inf on some rank, first in '{first}': "
+                f"watch_nonfinite() names the module where it started"
+            )
         bad = (high - low) > rtol * torch.maximum(high.abs(), low.abs())
         if bad.any():
             # Rare path: gather everyone's checksums of the first bad tensor to name the ranks.
@@ -190,12 +204,13 @@ class DistributedDebugger:
             names = [n for n, b in zip(self.names.values(), bad.tolist()) if b]
             raise GradientDesyncError(
                 f"gradients differ between ranks in {len(names)} of {len(bad)} parameter tensors, "
-                f"first '{names[0]}': rank(s) {odd} differ from {reference}")
+                f"first '{names[0]}': rank(s) {odd} differ from {reference}"
+            )
         return len(mine)
 
     # -- NaN / Inf ----------------------------------------------------------------------------------
 
-    def watch_nonfinite(self, raise_on_nonfinite: bool = False) -> "DistributedDebugger":
+    def watch_nonfinite(self, raise_on_nonfinite: bool = False) -> DistributedDebugger:
         """Install hooks that record where a NaN/Inf first appears on this rank.
 
         Forward: a leaf module whose input is already non-finite (bad data, or an op outside any
@@ -234,22 +249,25 @@ class DistributedDebugger:
                     t.register_hook(self._gradient_hook("backward", name))
             if self.events:
                 return  # the first appearance is what matters; later ones follow from it
-            if (bad := _nonfinite(inputs)):
+            if bad := _nonfinite(inputs):
                 self._record("forward input", name, bad)  # it came in: bad data or an op outside modules
-            elif (bad := _nonfinite(output)):
+            elif bad := _nonfinite(output):
                 self._record("forward output", name, bad)  # finite in, non-finite out: this module
+
         return hook
 
     def _output_hook(self):
         def hook(module, inputs, output):
             if isinstance(output, torch.Tensor) and output.requires_grad:
                 output.register_hook(self._gradient_hook("loss gradient", "model output"))
+
         return hook
 
     def _gradient_hook(self, phase: str, name: str):
         def hook(grad):
             if not self.events and (bad := _nonfinite(grad)):
                 self._record(phase, name, bad)
+
         return hook
 
     def first_nonfinite(self) -> NonFiniteEvent | None:
@@ -331,8 +349,9 @@ def allreduce_sizes(path: str) -> list[int]:
     which torch.profiler records with their input shapes when record_shapes=True), in call order."""
     with open(path) as f:
         events = json.load(f).get("traceEvents", [])
-    calls = sorted((e for e in events if e.get("name") == "c10d::allreduce_" and e.get("ph") == "X"),
-                   key=lambda e: e["ts"])
+    calls = sorted(
+        (e for e in events if e.get("name") == "c10d::allreduce_" and e.get("ph") == "X"), key=lambda e: e["ts"]
+    )
     sizes = []
     for e in calls:
         dims = e.get("args", {}).get("Input Dims", [[[]]])[0]  # the first input is the tensor list
@@ -394,11 +413,13 @@ def check_gradients_in_sync(fn) -> None:
     def drop(model, on_rank):
         model[-1].bias.grad = None
 
-    cases = [("gradients identical on every rank", None, None, True),
-             (f"one gradient entry changed on rank {world - 1}", nudge, world - 1, False),
-             ("one gradient entry changed on rank 0", nudge, 0, False),
-             ("two entries of one gradient swapped on rank 1", swap, 1, False),
-             ("a parameter without a gradient on every rank", drop, None, True)]
+    cases = [
+        ("gradients identical on every rank", None, None, True),
+        (f"one gradient entry changed on rank {world - 1}", nudge, world - 1, False),
+        ("one gradient entry changed on rank 0", nudge, 0, False),
+        ("two entries of one gradient swapped on rank 1", swap, 1, False),
+        ("a parameter without a gradient on every rank", drop, None, True),
+    ]
     for i, (what, fault, on_rank, expected) in enumerate(cases):
         model = _model_with_gradients(i)
         if fault is not None:
@@ -417,8 +438,9 @@ def check_gradients_in_sync(fn) -> None:
 # ---- monitoring a training run -----------------------------------------------------------------
 
 
-def train_monitored(steps: int, batch: int, device: torch.device | str = "cpu", report: bool = True,
-                    lr: float = 1e-2) -> StepMonitor:
+def train_monitored(
+    steps: int, batch: int, device: torch.device | str = "cpu", report: bool = True, lr: float = 1e-2
+) -> StepMonitor:
     """DDP-train course_lib.models.MLP on the regression data for `steps` steps of `batch` samples per rank.
 
     With `report`, each step prints one line ``step I SECONDS s MEMORY MB LOSS`` that a live plot in the
@@ -438,7 +460,7 @@ def train_monitored(steps: int, batch: int, device: torch.device | str = "cpu", 
     per_epoch = len(data) // (batch * world)
     for i in range(steps):
         start = ((i % per_epoch) * world + rank) * batch
-        x, y = (t[start:start + batch].to(device) for t in data.tensors)
+        x, y = (t[start : start + batch].to(device) for t in data.tensors)
         with monitor.step(batch):
             optimizer.zero_grad()
             loss = nn.functional.mse_loss(model(x), y)
@@ -452,8 +474,7 @@ def train_monitored(steps: int, batch: int, device: torch.device | str = "cpu", 
 _STEP_LINE = re.compile(r"^\[rank (\d+)\] step (\d+) (\S+) s (\S+) MB")
 
 
-def plot_steps(seconds: dict[int, list[float]], memory: dict[int, list[float]], samples_per_rank: int,
-               title: str = ""):
+def plot_steps(seconds: dict[int, list[float]], memory: dict[int, list[float]], samples_per_rank: int, title: str = ""):
     """Two panels: global throughput per step as each rank measured it, and each rank's memory."""
     import matplotlib.pyplot as plt
 

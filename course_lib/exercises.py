@@ -12,12 +12,14 @@ solution and raises :class:`ExerciseFailed` naming what is wrong. A function
 whose body is still the stub (``raise NotImplementedError``) is reported as
 not attempted, without running anything.
 """
+
 from __future__ import annotations
 
 import ast
 import inspect
 import textwrap
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 class ExerciseFailed(AssertionError):
@@ -37,8 +39,10 @@ def expect_equal(what: str, got: Any, expected: Any, *, atol: float = 1e-6, rtol
         wrong = ~torch.isclose(got.double(), expected.double(), rtol=rtol, atol=atol)
         if wrong.any():
             index = tuple(int(i) for i in wrong.nonzero()[0])
-            raise ExerciseFailed(f"{what}: element {list(index)} expected {expected[index].item():g}, "
-                                 f"got {got[index].item():g} ({int(wrong.sum())} of {wrong.numel()} elements wrong)")
+            raise ExerciseFailed(
+                f"{what}: element {list(index)} expected {expected[index].item():g}, "
+                f"got {got[index].item():g} ({int(wrong.sum())} of {wrong.numel()} elements wrong)"
+            )
         return
     if isinstance(expected, (list, tuple)):
         if not isinstance(got, (list, tuple)) or len(got) != len(expected):
@@ -69,8 +73,9 @@ def is_stub(fn: Callable) -> bool:
     return True
 
 
-def check(fn: Callable, checker: str, *, nproc: int = 2, backend: str = "auto", timeout: float = 120,
-          quiet: bool = False) -> bool | None:
+def check(
+    fn: Callable, checker: str, *, nproc: int = 2, backend: str = "auto", timeout: float = 120, quiet: bool = False
+) -> bool | None:
     """Run `checker` ("module:function") on `nproc` ranks against `fn`.
 
     Returns True (correct), False (wrong: the message names the rank and the

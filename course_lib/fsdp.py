@@ -24,10 +24,11 @@ The collectives are :func:`course_lib.collectives.ring_reduce_scatter` and
 :func:`~course_lib.collectives.ring_all_gather`: their chunking is exactly ``tensor_split``, so
 uneven sizes need no padding and no exchange of sizes.
 """
+
 from __future__ import annotations
 
 from collections import Counter
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -65,7 +66,7 @@ class ShardedUnit(nn.Module):
         self.full_params = flat.clone() if stage in (1, 2) else None
         self.full_grad: torch.Tensor | None = None
         if stage == 0:
-            self.shard = nn.Parameter(flat.clone())      # DDP: "shard" = everything
+            self.shard = nn.Parameter(flat.clone())  # DDP: "shard" = everything
         elif stage in (1, 2):
             self.shard = nn.Parameter(torch.tensor_split(self.full_params, self.world_size)[self.rank])
         else:
@@ -86,8 +87,8 @@ class ShardedUnit(nn.Module):
             averaged = ring_all_reduce(flat_grad.contiguous(), group=self.group).div_(n)
             if self.stage == 0:
                 return averaged
-            self.full_grad = averaged                      # stage 1 keeps the full gradient...
-            return torch.tensor_split(averaged, n)[self.rank]   # ...and the shard's is a view into it
+            self.full_grad = averaged  # stage 1 keeps the full gradient...
+            return torch.tensor_split(averaged, n)[self.rank]  # ...and the shard's is a view into it
         calls["reduce_scatter"] += 1
         return ring_reduce_scatter(flat_grad, group=self.group).div_(n)
 
@@ -115,7 +116,7 @@ class ShardedUnit(nn.Module):
     def refresh_full_params(self) -> None:
         """Stages 1-2: copy the shards every rank updated in the last step into the full copy."""
         if self.stage in (1, 2):
-            with torch.no_grad():                         # in place: the shard is a view into it
+            with torch.no_grad():  # in place: the shard is a view into it
                 self.full_params.copy_(self.gather())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -149,7 +150,7 @@ class _UnitFunction(torch.autograd.Function):
             inputs = (flat, x) if ctx.needs_input_grad[0] else (flat,)
             grads = torch.autograd.grad(out, inputs, grad_out)
         grad_shard = unit.reduce_gradient(grads[0])
-        del flat                                            # stage 3: the full parameters go again
+        del flat  # stage 3: the full parameters go again
         return (grads[1] if ctx.needs_input_grad[0] else None), grad_shard, None
 
 
@@ -188,7 +189,7 @@ class ZeroModel(nn.Module):
         """torch.nn.utils.clip_grad_norm_ for sharded gradients: each rank sums the squares of its
         own shard, one all-reduce adds them up (the shards partition the model), same factor everywhere."""
         squares = sum(u.shard.grad.double().pow(2).sum() for u in self.units)
-        if self.stage > 0:                                   # stage 0 holds the whole gradient already
+        if self.stage > 0:  # stage 0 holds the whole gradient already
             dist.all_reduce(squares, group=self.units[0].group)
         total_norm = squares.sqrt().float()
         factor = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
@@ -208,16 +209,20 @@ class ZeroModel(nn.Module):
 
     def extra_held(self) -> dict[str, list[torch.Tensor]]:
         """Tensors this rank keeps between steps besides the shards and their gradients."""
-        return {"params": [u.full_params for u in self.units if u.full_params is not None],
-                "grads": [u.full_grad for u in self.units if u.full_grad is not None]}
+        return {
+            "params": [u.full_params for u in self.units if u.full_params is not None],
+            "grads": [u.full_grad for u in self.units if u.full_grad is not None],
+        }
 
 
 def collectives_per_step(stage: int, units: int) -> dict[str, int]:
     """The formula the counts are checked against: collective calls per training step."""
-    return {0: {"all_reduce": units},
-            1: {"all_reduce": units, "all_gather": units},
-            2: {"reduce_scatter": units, "all_gather": units},
-            3: {"reduce_scatter": units, "all_gather": 2 * units}}[stage]
+    return {
+        0: {"all_reduce": units},
+        1: {"all_reduce": units, "all_gather": units},
+        2: {"reduce_scatter": units, "all_gather": units},
+        3: {"reduce_scatter": units, "all_gather": 2 * units},
+    }[stage]
 
 
 # ---- training, for the comparisons ------------------------------------------------------------
@@ -231,8 +236,10 @@ def global_batches(steps: int, global_batch: int, seed: int = 0, pool: int = 102
     if steps * global_batch > pool:
         raise ValueError(f"{steps} batches of {global_batch} need more than the {pool} samples")
     x, y = regression(n=pool, d_out=7, seed=seed).tensors
-    return [(x[s * global_batch:(s + 1) * global_batch], y[s * global_batch:(s + 1) * global_batch])
-            for s in range(steps)]
+    return [
+        (x[s * global_batch : (s + 1) * global_batch], y[s * global_batch : (s + 1) * global_batch])
+        for s in range(steps)
+    ]
 
 
 def make_model() -> nn.Module:
@@ -243,9 +250,17 @@ def make_model() -> nn.Module:
     return MLP(d_in=32, d_hidden=45, d_out=7, n_layers=2, seed=0)
 
 
-def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, micro_batch: int = 8,
-          world_size: int = 1, rank: int = 0, clip: Callable[[], object] | None = None,
-          device: torch.device | str = "cpu", first_step: int = 0) -> list[float]:
+def train(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    steps: int,
+    micro_batch: int = 8,
+    world_size: int = 1,
+    rank: int = 0,
+    clip: Callable[[], object] | None = None,
+    device: torch.device | str = "cpu",
+    first_step: int = 0,
+) -> list[float]:
     """`steps` optimizer steps. Each global batch has micro_batch x world_size samples; rank r trains
     on its r-th slice (world_size=1: one process, the whole batch: the reference run).
     `clip()` is called between backward and step (gradient clipping); `first_step` continues a run
@@ -253,7 +268,7 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, micro_
     losses = []
     for x, y in global_batches(first_step + steps, micro_batch * world_size)[first_step:]:
         lo = rank * micro_batch
-        x, y = x[lo:lo + micro_batch].to(device), y[lo:lo + micro_batch].to(device)
+        x, y = x[lo : lo + micro_batch].to(device), y[lo : lo + micro_batch].to(device)
         optimizer.zero_grad(set_to_none=True)
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
@@ -270,8 +285,9 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
 
     if isinstance(model, ZeroModel):
         return {k: v.cpu() for k, v in model.full_state().items()}
-    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
-            for name, p in model.named_parameters()}
+    return {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu() for name, p in model.named_parameters()
+    }
 
 
 def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -298,7 +314,7 @@ def check_shard_with_adam_state(fn) -> None:
         full = nn.Parameter(torch.randn(shape, generator=gen))
         full.grad = torch.randn(shape, generator=gen)
         opt = torch.optim.Adam([full], lr=0.1)
-        opt.step()                                          # Adam state now holds real numbers
+        opt.step()  # Adam state now holds real numbers
         state = opt.state[full]
         got = fn(full.detach().clone(), state["exp_avg"].clone(), state["exp_avg_sq"].clone())
         if not isinstance(got, (tuple, list)) or len(got) != 3:
@@ -309,20 +325,33 @@ def check_shard_with_adam_state(fn) -> None:
         # Adam is elementwise: stepping the shard with the shard of the state is the full step, sliced.
         shard = nn.Parameter(got[0].clone())
         shard_opt = torch.optim.Adam([shard], lr=0.1)
-        shard_opt.state[shard] = {"step": state["step"].clone(), "exp_avg": got[1].clone(),
-                                  "exp_avg_sq": got[2].clone()}
+        shard_opt.state[shard] = {
+            "step": state["step"].clone(),
+            "exp_avg": got[1].clone(),
+            "exp_avg_sq": got[2].clone(),
+        }
         shard.grad = torch.tensor_split(full.grad.reshape(-1), n)[rank].clone()
         full.grad = full.grad.clone()
         opt.step()
         shard_opt.step()
-        expect_equal(f"full shape {shape}: shard after one more Adam step", shard.detach(),
-                     torch.tensor_split(full.detach().reshape(-1), n)[rank], atol=1e-6, rtol=1e-5)
+        expect_equal(
+            f"full shape {shape}: shard after one more Adam step",
+            shard.detach(),
+            torch.tensor_split(full.detach().reshape(-1), n)[rank],
+            atol=1e-6,
+            rtol=1e-5,
+        )
 
 
 # ---- counting torch's collectives -------------------------------------------------------------------
 
-_FRIENDLY = {"allgather": "all_gather", "reduce_scatter": "reduce_scatter", "allreduce": "all_reduce",
-             "broadcast": "broadcast", "all_to_all": "all_to_all"}
+_FRIENDLY = {
+    "allgather": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+    "allreduce": "all_reduce",
+    "broadcast": "broadcast",
+    "all_to_all": "all_to_all",
+}
 
 
 def comm_counts(comm) -> dict[str, int]:

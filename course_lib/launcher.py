@@ -11,6 +11,7 @@ the run, grouped by rank) or from torchrun's ``--tee`` stream (``stream=True``:
 live, ``[rank N]`` prefixed). Either way the kernel prints it, so it reaches
 the notebook even under nbval, where ipykernel ignores child-process output.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -25,20 +26,24 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 DEFAULT_TIMEOUT_S = 300.0
 BACKENDS = ("auto", "gloo", "nccl")
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 _STREAM_PREFIX = re.compile(r"^\[rank(\d+)\]: ?")
 # Lines the ranks' libraries print that teach nothing (kept out of the cell).
-_NOISE = [re.compile(p) for p in (
-    r"^\[Gloo\] Rank \d+ is connected to",
-    r"^USDT:.*SyncActivityProfilerHandler.*profiler_(start|stop)$",  # kineto's trace points, every profile
-    r"^\s*$",
-)]
+_NOISE = [
+    re.compile(p)
+    for p in (
+        r"^\[Gloo\] Rank \d+ is connected to",
+        r"^USDT:.*SyncActivityProfilerHandler.*profiler_(start|stop)$",  # kineto's trace points, every profile
+        r"^\s*$",
+    )
+]
 
 
 class LaunchError(ValueError):
@@ -60,7 +65,7 @@ class RankFailure:
 class RankFailedError(RuntimeError):
     """One or more ranks failed; the message names them and the failing line of the cell."""
 
-    def __init__(self, message: str, failures: list[RankFailure], result: "RunResult"):
+    def __init__(self, message: str, failures: list[RankFailure], result: RunResult):
         super().__init__(message)
         self.failures = failures
         self.result = result
@@ -248,15 +253,21 @@ def _add_silent_deaths(attempts: list[Attempt], agent_log: str, run_dir: Path) -
     'failed (exitcode: -9) ... (pid: P)' line, when it saw that rank first, gives the signal.
     """
     stopped = {int(pid) for pid in re.findall(r"Sending process (\d+) closing signal", agent_log)}
-    codes = {int(pid): int(code) for code, pid in
-             re.findall(r"failed \(exitcode: (-?\d+)\) local_rank: \d+ \(pid: (\d+)\)", agent_log)}
+    codes = {
+        int(pid): int(code)
+        for code, pid in re.findall(r"failed \(exitcode: (-?\d+)\) local_rank: \d+ \(pid: (\d+)\)", agent_log)
+    }
     by_index = {a.index: a for a in attempts}
     for pid_file in (run_dir / "ranks").glob("attempt_*/*.pid"):
         index, rank = int(pid_file.parent.name.split("_")[1]), int(pid_file.stem)
         attempt = by_index.get(index)
         pid = int(pid_file.read_text() or 0)
-        if (attempt is None or pid in stopped or (pid_file.parent / f"{rank}.done").exists()
-                or rank in {f.rank for f in attempt.failures}):
+        if (
+            attempt is None
+            or pid in stopped
+            or (pid_file.parent / f"{rank}.done").exists()
+            or rank in {f.rank for f in attempt.failures}
+        ):
             continue
         code = codes.get(pid)
         if code is not None and code < 0:
@@ -378,16 +389,50 @@ def launch(
 
     run_dir = Path(tempfile.mkdtemp(prefix="torchrun-cell-"))
     try:
-        return _run(body, nproc, backend, timeout, out, push, stream, init, max_restarts, multi_node,
-                    dict(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
-                         rdzv_backend=rdzv_backend, rdzv_id=rdzv_id),
-                    node_rank_value, env, write, run_dir)
+        return _run(
+            body,
+            nproc,
+            backend,
+            timeout,
+            out,
+            push,
+            stream,
+            init,
+            max_restarts,
+            multi_node,
+            dict(
+                nnodes=nnodes,
+                node_rank=node_rank,
+                rdzv_endpoint=rdzv_endpoint,
+                rdzv_backend=rdzv_backend,
+                rdzv_id=rdzv_id,
+            ),
+            node_rank_value,
+            env,
+            write,
+            run_dir,
+        )
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _run(body, nproc, backend, timeout, out, push, stream, init, max_restarts, multi_node, rdzv,
-         node_rank, env, write, run_dir: Path) -> RunResult:
+def _run(
+    body,
+    nproc,
+    backend,
+    timeout,
+    out,
+    push,
+    stream,
+    init,
+    max_restarts,
+    multi_node,
+    rdzv,
+    node_rank,
+    env,
+    write,
+    run_dir: Path,
+) -> RunResult:
     import torch
 
     cell_file = run_dir / "cell.py"
@@ -398,12 +443,25 @@ def _run(body, nproc, backend, timeout, out, push, stream, init, max_restarts, m
     # The process group gives up a little before the wall clock, so a stuck
     # collective surfaces as an error naming it rather than as a kill.
     pg_timeout = max(5.0, timeout - 10.0) if timeout > 20 else max(1.0, timeout * 0.8)
-    (run_dir / "config.json").write_text(json.dumps(
-        {"init": init, "backend": backend, "pg_timeout_s": pg_timeout, "out": out, "push": bool(push)}))
+    (run_dir / "config.json").write_text(
+        json.dumps({"init": init, "backend": backend, "pg_timeout_s": pg_timeout, "out": out, "push": bool(push)})
+    )
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--max-restarts", str(max_restarts), "--monitor-interval", "0.1",
-           "--log-dir", str(run_dir / "logs"), "--redirects", "3"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        str(max_restarts),
+        "--monitor-interval",
+        "0.1",
+        "--log-dir",
+        str(run_dir / "logs"),
+        "--redirects",
+        "3",
+    ]
     if stream:
         cmd += ["--tee", "3"]
     if multi_node:
@@ -423,8 +481,9 @@ def _run(body, nproc, backend, timeout, out, push, stream, init, max_restarts, m
     run_env.pop("PYTEST_CURRENT_TEST", None)
 
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=run_env,
-                            start_new_session=True, preexec_fn=_preexec)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=run_env, start_new_session=True, preexec_fn=_preexec
+    )
     _ACTIVE[proc.pid] = (proc, run_dir)
     agent_log: list[str] = []
     timed_out = False
@@ -455,13 +514,15 @@ def _run(body, nproc, backend, timeout, out, push, stream, init, max_restarts, m
         raise RunTimeoutError(
             f"the run passed --timeout {timeout:g} s; ranks still running: {names}. "
             f"Every process was ended ({len(running)} workers killed). Look for a collective "
-            f"that not every rank calls, or raise --timeout.", failures, result)
+            f"that not every rank calls, or raise --timeout.",
+            failures,
+            result,
+        )
     if proc.returncode != 0:
         failures = _final_failures(attempts, result.agent_log)
         if not failures:
             tail = "\n".join(result.agent_log.strip().splitlines()[-15:])
-            raise RankFailedError(f"torchrun failed before the ranks ran (exit {proc.returncode}):\n{tail}",
-                                  [], result)
+            raise RankFailedError(f"torchrun failed before the ranks ran (exit {proc.returncode}):\n{tail}", [], result)
         raise RankFailedError(_describe(failures, cell_source), failures, result)
     return result
 
@@ -502,7 +563,7 @@ def _pump(proc, deadline, stream, write, agent_log) -> bool:
 def _route(line: str, name: str, stream: bool, write, agent_log: list[str]) -> None:
     match = _STREAM_PREFIX.match(line)
     if stream and match:
-        text = line[match.end():]
+        text = line[match.end() :]
         if not any(p.search(text) for p in _NOISE):
             write(f"[rank {match.group(1)}] {text}\n", name)
     elif not match:

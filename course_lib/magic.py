@@ -5,6 +5,7 @@
 
 See `%%torchrun?` for every flag. The work is done by course_lib.launcher.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,17 +24,25 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> _Parser:
     p = _Parser(prog="%%torchrun", add_help=False, allow_abbrev=False)
-    p.add_argument("-n", "--nproc-per-node", "--nproc", dest="nproc", default="2",
-                   help="ranks on this node (default 2)")
+    p.add_argument(
+        "-n", "--nproc-per-node", "--nproc", dest="nproc", default="2", help="ranks on this node (default 2)"
+    )
     p.add_argument("--backend", default="auto", help="auto (nccl with GPUs, else gloo), gloo or nccl")
-    p.add_argument("--timeout", default=str(launcher.DEFAULT_TIMEOUT_S),
-                   help=f"wall-clock seconds for the whole run, start-up included, before every process is ended "
-                        f"(default {launcher.DEFAULT_TIMEOUT_S:g})")
+    p.add_argument(
+        "--timeout",
+        default=str(launcher.DEFAULT_TIMEOUT_S),
+        help=f"wall-clock seconds for the whole run, start-up included, before every process is ended "
+        f"(default {launcher.DEFAULT_TIMEOUT_S:g})",
+    )
     p.add_argument("--out", default="", help="comma-separated names whose per-rank values come back as lists")
     p.add_argument("--push", default="", help="comma-separated notebook variables sent to every rank")
     p.add_argument("--stream", action="store_true", help="print rank output live, prefixed [rank N]")
-    p.add_argument("--no-init", dest="init", action="store_false",
-                   help="do not create the process group: the cell calls init_process_group itself")
+    p.add_argument(
+        "--no-init",
+        dest="init",
+        action="store_false",
+        help="do not create the process group: the cell calls init_process_group itself",
+    )
     p.add_argument("--save", default=None, help="also write the cell as a script for plain torchrun")
     p.add_argument("--max-restarts", default="0", help="torchrun restarts of the whole group after a failure")
     for flag in ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-backend", "--rdzv-id"):
@@ -73,17 +82,29 @@ class TorchrunMagics(Magics):
         undefined = [n for n in push_names if n not in self.shell.user_ns]
         if undefined:
             raise launcher.LaunchError(
-                f"--push names {', '.join(undefined)}, not defined in the notebook: run the cell that defines it first")
+                f"--push names {', '.join(undefined)}, not defined in the notebook: run the cell that defines it first"
+            )
         push = {n: self.shell.user_ns[n] for n in push_names}
         if args.save:
             launcher.resolve_backend(args.backend, nproc)  # refuse impossible requests before writing
-            Path(args.save).write_text(launcher.standalone_script(cell, backend=args.backend, init=args.init, nproc=nproc))
+            Path(args.save).write_text(
+                launcher.standalone_script(cell, backend=args.backend, init=args.init, nproc=nproc)
+            )
         result = launcher.launch(
-            cell, nproc, backend=args.backend, timeout=_as_float(args.timeout, "--timeout"), out=out,
-            push=push, stream=args.stream, init=args.init,
+            cell,
+            nproc,
+            backend=args.backend,
+            timeout=_as_float(args.timeout, "--timeout"),
+            out=out,
+            push=push,
+            stream=args.stream,
+            init=args.init,
             max_restarts=_as_int(args.max_restarts, "--max-restarts"),
-            nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
-            rdzv_backend=args.rdzv_backend, rdzv_id=args.rdzv_id,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            rdzv_endpoint=args.rdzv_endpoint,
+            rdzv_backend=args.rdzv_backend,
+            rdzv_id=args.rdzv_id,
         )
         self.shell.user_ns.update(result.values)
         self.shell.user_ns["_torchrun"] = result

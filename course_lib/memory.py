@@ -17,6 +17,7 @@ stage    parameters   gradients    optimizer
 3        pΨ/N         gΨ/N         KΨ/N
 =======  ===========  ===========  ===========
 """
+
 from __future__ import annotations
 
 import math
@@ -36,21 +37,30 @@ PRECISIONS = {
 }
 
 
-def zero_bytes_per_gpu(n_params: float, world_size: int, stage: int, param_bytes: float = 2,
-                       grad_bytes: float = 2, optimizer_bytes: float = 12) -> dict[str, float]:
+def zero_bytes_per_gpu(
+    n_params: float,
+    world_size: int,
+    stage: int,
+    param_bytes: float = 2,
+    grad_bytes: float = 2,
+    optimizer_bytes: float = 12,
+) -> dict[str, float]:
     """Bytes per GPU of parameters, gradients and optimizer state for ZeRO `stage` (0 = DDP)."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0-3, got {stage}")
     n = world_size
-    out = {"params": n_params * param_bytes / (n if stage >= 3 else 1),
-           "grads": n_params * grad_bytes / (n if stage >= 2 else 1),
-           "optimizer": n_params * optimizer_bytes / (n if stage >= 1 else 1)}
+    out = {
+        "params": n_params * param_bytes / (n if stage >= 3 else 1),
+        "grads": n_params * grad_bytes / (n if stage >= 2 else 1),
+        "optimizer": n_params * optimizer_bytes / (n if stage >= 1 else 1),
+    }
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out
 
 
-def calculator_table(n_params: float, world_size: int, precision: str = "mixed (16-bit + fp32 master)",
-                     optimizer: str = "Adam") -> list[dict]:
+def calculator_table(
+    n_params: float, world_size: int, precision: str = "mixed (16-bit + fp32 master)", optimizer: str = "Adam"
+) -> list[dict]:
     """One row per stage: GB per GPU of each part and in total."""
     p, g, k = PRECISIONS[precision][optimizer]
     rows = []
@@ -61,8 +71,6 @@ def calculator_table(n_params: float, world_size: int, precision: str = "mixed (
 
 
 # ---- counting what a rank holds -------------------------------------------------------------------
-
-
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -77,8 +85,9 @@ def allocated_bytes(t: torch.Tensor) -> int:
     return local_tensor(t).untyped_storage().nbytes()
 
 
-def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-               padded: bool = False) -> dict[str, int]:
+def held_bytes(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None = None, padded: bool = False
+) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state this rank holds between steps.
 
     Optimizer state counts the tensors shaped like parameters (Adam's exp_avg, exp_avg_sq), not
@@ -94,15 +103,19 @@ def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
         """Bytes of the wrapper's full copies, plus those of the tensors that are not views into them."""
         inside = {t.untyped_storage().data_ptr() for t in full_copies}
         return sum(size(t) for t in full_copies) + sum(
-            size(t) for t in tensors if local_tensor(t).untyped_storage().data_ptr() not in inside)
+            size(t) for t in tensors if local_tensor(t).untyped_storage().data_ptr() not in inside
+        )
 
-    held = {"params": count(extra.get("params", []), params),
-            "grads": count(extra.get("grads", []), [p.grad for p in params if p.grad is not None]),
-            "optimizer": 0}
+    held = {
+        "params": count(extra.get("params", []), params),
+        "grads": count(extra.get("grads", []), [p.grad for p in params if p.grad is not None]),
+        "optimizer": 0,
+    }
     if optimizer is not None:
         for state in optimizer.state.values():
-            held["optimizer"] += sum(tensor_bytes(v) for k, v in state.items()
-                                     if isinstance(v, torch.Tensor) and k != "step")
+            held["optimizer"] += sum(
+                tensor_bytes(v) for k, v in state.items() if isinstance(v, torch.Tensor) and k != "step"
+            )
     held["total"] = held["params"] + held["grads"] + held["optimizer"]
     return held
 
@@ -138,8 +151,13 @@ def draw_per_rank(measured: dict[str, list[dict]], predicted: dict[str, dict], a
             for part, color in colors.items():
                 ax.bar(x, held[part] / unit, bottom=bottom, color=color, label=part if x == 0 else None)
                 bottom += held[part] / unit
-            ax.plot([x - 0.4, x + 0.4], [predicted[setup]["total"] / unit] * 2, color="black", lw=2,
-                    label="formula" if x == 0 else None)
+            ax.plot(
+                [x - 0.4, x + 0.4],
+                [predicted[setup]["total"] / unit] * 2,
+                color="black",
+                lw=2,
+                label="formula" if x == 0 else None,
+            )
             labels.append(f"{setup}\nr{rank}" if rank == 0 else f"r{rank}")
             x += 1
         x += 0.6
@@ -153,9 +171,15 @@ def draw_per_rank(measured: dict[str, list[dict]], predicted: dict[str, dict], a
     return ax
 
 
-def draw_calculator(model_billions: float = 70, world_size: int = 64, stage: int = 3,
-                    precision: str = "mixed (16-bit + fp32 master)", optimizer: str = "Adam",
-                    gpu_gb: float = 80, ax=None):
+def draw_calculator(
+    model_billions: float = 70,
+    world_size: int = 64,
+    stage: int = 3,
+    precision: str = "mixed (16-bit + fp32 master)",
+    optimizer: str = "Adam",
+    gpu_gb: float = 80,
+    ax=None,
+):
     """GB per GPU for stages 0-3 at the chosen setting; the chosen stage outlined; a line at gpu_gb."""
     import matplotlib.pyplot as plt
 
@@ -171,7 +195,10 @@ def draw_calculator(model_billions: float = 70, world_size: int = 64, stage: int
         ax.text(s, row["total"], f"{row['total']:.1f} GB", ha="center", va="bottom", fontsize=8)
     ax.axhline(gpu_gb, color="red", ls="--", label=f"{gpu_gb:g} GB GPU")
     ax.set_xticks(range(4), ["0 (DDP)", "1", "2", "3"])
-    ax.set(xlabel="ZeRO stage", ylabel="GB per GPU",
-           title=f"{model_billions:g}B params, N={world_size}, {precision}, {optimizer}")
+    ax.set(
+        xlabel="ZeRO stage",
+        ylabel="GB per GPU",
+        title=f"{model_billions:g}B params, N={world_size}, {precision}, {optimizer}",
+    )
     ax.legend(fontsize=8, loc="upper right")
     return ax

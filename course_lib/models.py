@@ -3,6 +3,7 @@
 Small enough that a step takes milliseconds on a laptop CPU, big enough to have
 several layers to shard, bucket or split into pipeline stages.
 """
+
 from __future__ import annotations
 
 import torch
@@ -48,8 +49,9 @@ class Attention(nn.Module):
         def heads(t: torch.Tensor) -> torch.Tensor:  # (b, s, width) -> (b, heads, s, head_dim)
             return t.view(batch, seq, -1, self.head_dim).transpose(1, 2)
 
-        y = nn.functional.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)),
-                                                       is_causal=True)
+        y = nn.functional.scaled_dot_product_attention(
+            heads(self.q(x)), heads(self.k(x)), heads(self.v(x)), is_causal=True
+        )
         return self.o(y.transpose(1, 2).reshape(batch, seq, -1))
 
 

@@ -11,10 +11,12 @@ Everything here is plain torch.distributed: activations travel forward with
 ``isend`` and their gradients travel back the same way; a rank only ever blocks
 in ``recv``, waiting for data that some earlier action of another rank produces.
 """
+
 from __future__ import annotations
 
 import time
-from typing import Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -79,8 +81,9 @@ class Action(NamedTuple):
 
 def gpipe_actions(stage: int, n_stages: int, n_microbatches: int) -> list[Action]:
     """GPipe: every forward, then every backward (all m activations are held at once)."""
-    return ([Action("F", mb, stage) for mb in range(n_microbatches)]
-            + [Action("B", mb, stage) for mb in range(n_microbatches)])
+    return [Action("F", mb, stage) for mb in range(n_microbatches)] + [
+        Action("B", mb, stage) for mb in range(n_microbatches)
+    ]
 
 
 def one_f_one_b_actions(stage: int, n_stages: int, n_microbatches: int) -> list[Action]:
@@ -187,8 +190,14 @@ def _dependency(action: Action, n_stages: int) -> Action | None:
     return Action("B", action.microbatch, action.stage + 1)
 
 
-def simulate(actions: dict[int, list[Action]], n_stages: int | None = None, *, t_forward: float = 1.0,
-             t_backward: float = 2.0, latency: float = 0.0) -> list[Event]:
+def simulate(
+    actions: dict[int, list[Action]],
+    n_stages: int | None = None,
+    *,
+    t_forward: float = 1.0,
+    t_backward: float = 2.0,
+    latency: float = 0.0,
+) -> list[Event]:
     """Ideal timeline: each rank runs its list in order, as soon as the data an action needs exists.
 
     `t_forward` / `t_backward` are the times of a whole rank's share of the model;
@@ -218,8 +227,11 @@ def simulate(actions: dict[int, list[Action]], n_stages: int | None = None, *, t
                 events.append(Event(rank, action, start, free_at[rank]))
                 position[rank] += 1
                 progress = True
-    stuck = {r: (todo[position[r]], _dependency(todo[position[r]], n_stages))
-             for r, todo in actions.items() if position[r] < len(todo)}
+    stuck = {
+        r: (todo[position[r]], _dependency(todo[position[r]], n_stages))
+        for r, todo in actions.items()
+        if position[r] < len(todo)
+    }
     if stuck:
         parts = [f"rank {r} waits at {a!r} for {need!r}" for r, (a, need) in sorted(stuck.items())]
         raise Deadlock("deadlock: " + "; ".join(parts), stuck)
@@ -294,11 +306,19 @@ def _tag(action_kind: str, microbatch: int, stage: int, n_microbatches: int) -> 
     return 2 * (stage * n_microbatches + microbatch) + (0 if action_kind == "F" else 1)
 
 
-def execute(actions: Sequence[Action], modules: dict[int, nn.Module], n_stages: int,
-            inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
-            loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], activation_shape: Sequence[int], *,
-            stage_ranks: Sequence[int] | None = None, min_seconds: dict[str, float] | None = None,
-            group: dist.ProcessGroup | None = None) -> RunRecord:
+def execute(
+    actions: Sequence[Action],
+    modules: dict[int, nn.Module],
+    n_stages: int,
+    inputs: Sequence[torch.Tensor],
+    targets: Sequence[torch.Tensor],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    activation_shape: Sequence[int],
+    *,
+    stage_ranks: Sequence[int] | None = None,
+    min_seconds: dict[str, float] | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> RunRecord:
     """Run this rank's `actions` over its stage `modules` ({stage: module}); gradients accumulate in them.
 
     inputs/targets: the micro-batches (used by the first/last stage). Every
@@ -367,9 +387,13 @@ def execute(actions: Sequence[Action], modules: dict[int, nn.Module], n_stages: 
     return RunRecord(losses, events, peak)
 
 
-def naive_model_parallel(stage_module: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                         activation_shape: Sequence[int]) -> float | None:
+def naive_model_parallel(
+    stage_module: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    activation_shape: Sequence[int],
+) -> float | None:
     """Naive model parallelism: rank k holds stage k; the whole batch goes forward rank by rank, then back.
 
     Returns the loss on the last rank (None elsewhere); gradients accumulate in
@@ -399,9 +423,12 @@ def naive_model_parallel(stage_module: nn.Module, x: torch.Tensor, y: torch.Tens
     return loss
 
 
-def reference_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                        ) -> tuple[float, list[torch.Tensor]]:
+def reference_gradients(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> tuple[float, list[torch.Tensor]]:
     """Single-process training step on the whole batch: (loss, gradient of every parameter)."""
     model.zero_grad()
     loss = loss_fn(model(x), y)
@@ -427,27 +454,39 @@ def local_stages(model: nn.Sequential, rank: int, n_ranks: int, n_virtual: int =
     return {s: stages[s] for s in range(rank, n_ranks * n_virtual, n_ranks)}
 
 
-def reference_stage_gradients(model: nn.Sequential, n_stages: int, x: torch.Tensor,
-                              y: torch.Tensor) -> tuple[float, dict[int, list[torch.Tensor]]]:
+def reference_stage_gradients(
+    model: nn.Sequential, n_stages: int, x: torch.Tensor, y: torch.Tensor
+) -> tuple[float, dict[int, list[torch.Tensor]]]:
     """Single-process step on the whole batch; the gradients grouped by the stage that owns each parameter."""
     loss, grads = reference_gradients(model, x, y, loss_fn)
     by_stage, i = {}, 0
     for s, stage in enumerate(split_into_stages(model, n_stages)):
         n = len(list(stage.parameters()))
-        by_stage[s], i = grads[i:i + n], i + n
+        by_stage[s], i = grads[i : i + n], i + n
     return loss, by_stage
 
 
 def max_gradient_error(modules: dict[int, nn.Module], expected: dict[int, list[torch.Tensor]]) -> float:
     """Largest |difference| between the stage modules' gradients and the expected ones."""
-    return max(float((p.grad - g).abs().max()) for s, module in modules.items()
-               for p, g in zip(module.parameters(), expected[s]))
+    return max(
+        float((p.grad - g).abs().max())
+        for s, module in modules.items()
+        for p, g in zip(module.parameters(), expected[s])
+    )
 
 
-def pipeline_step(schedule: str, n_microbatches: int, x: torch.Tensor, y: torch.Tensor, *,
-                  model: nn.Sequential | None = None, stage_ranks: Sequence[int] | None = None,
-                  n_virtual: int = 2, min_seconds: dict[str, float] | None = None,
-                  group: dist.ProcessGroup | None = None) -> tuple[RunRecord, dict[int, nn.Module]]:
+def pipeline_step(
+    schedule: str,
+    n_microbatches: int,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    model: nn.Sequential | None = None,
+    stage_ranks: Sequence[int] | None = None,
+    n_virtual: int = 2,
+    min_seconds: dict[str, float] | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[RunRecord, dict[int, nn.Module]]:
     """One from-scratch training step of `schedule` on this rank: (its record, its stage modules).
 
     Ranks not in `stage_ranks` (default: all) must not call it. `min_seconds` is
@@ -464,14 +503,22 @@ def pipeline_step(schedule: str, n_microbatches: int, x: torch.Tensor, y: torch.
     if min_seconds:
         min_seconds = {kind: seconds / v for kind, seconds in min_seconds.items()}
     shape = (xs[0].shape[0], next(iter(modules.values()))[0].in_features)
-    record = execute(actions, modules, p * v, xs, ys, loss_fn, shape, stage_ranks=stage_ranks,
-                     min_seconds=min_seconds, group=group)
+    record = execute(
+        actions, modules, p * v, xs, ys, loss_fn, shape, stage_ranks=stage_ranks, min_seconds=min_seconds, group=group
+    )
     return record, modules
 
 
-def torch_pipeline_step(schedule: str, n_microbatches: int, x: torch.Tensor, y: torch.Tensor, *,
-                        model: nn.Sequential | None = None, group: dist.ProcessGroup | None = None,
-                        n_virtual: int = 2) -> tuple[list[float], dict[int, nn.Module]]:
+def torch_pipeline_step(
+    schedule: str,
+    n_microbatches: int,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    model: nn.Sequential | None = None,
+    group: dist.ProcessGroup | None = None,
+    n_virtual: int = 2,
+) -> tuple[list[float], dict[int, nn.Module]]:
     """The same step with torch.distributed.pipelining: (micro-batch losses on the last rank, stage modules)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
@@ -500,9 +547,10 @@ def _as_actions(got, stage: int) -> list[Action]:
         raise ExerciseFailed(f"stage {stage}: expected a list of (kind, microbatch) pairs, got {type(got).__name__}")
     out = []
     for item in got:
-        if not (isinstance(item, (tuple, list)) and len(item) >= 2 and item[0] in ("F", "B")
-                and isinstance(item[1], int)):
-            raise ExerciseFailed(f"stage {stage}: {item!r} is not a (\"F\" or \"B\", microbatch) pair")
+        if not (
+            isinstance(item, (tuple, list)) and len(item) >= 2 and item[0] in ("F", "B") and isinstance(item[1], int)
+        ):
+            raise ExerciseFailed(f'stage {stage}: {item!r} is not a ("F" or "B", microbatch) pair')
         out.append(Action(item[0], int(item[1]), stage))
     return out
 
@@ -542,10 +590,13 @@ def check_one_f_one_b(fn) -> None:
             expected = one_f_one_b_actions(s, p, m)
             if lists[s] != expected:
                 k = next((i for i, (a, b) in enumerate(zip(lists[s], expected)) if a != b), len(expected))
-                return fail_on(s, f"stage {s} of {p}, n_microbatches={m}: action {k} should be "
-                                  f"{expected[k].kind}{expected[k].microbatch}; expected [{_short(expected)}], got "
-                                  f"[{_short(lists[s])}] (holds {peak_in_flight(lists[s])[s]} activations at once, "
-                                  f"1F1B holds {min(p - s, m)})")
+                return fail_on(
+                    s,
+                    f"stage {s} of {p}, n_microbatches={m}: action {k} should be "
+                    f"{expected[k].kind}{expected[k].microbatch}; expected [{_short(expected)}], got "
+                    f"[{_short(lists[s])}] (holds {peak_in_flight(lists[s])[s]} activations at once, "
+                    f"1F1B holds {min(p - s, m)})",
+                )
     # The lists are right: run them on the ranks and compare with single-process training.
     _run_and_compare(lists[rank], p, len(lists[rank]) // 2)
 

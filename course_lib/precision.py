@@ -9,12 +9,13 @@ names, so the same training loop (:func:`amp_training_loop`) drives both, and
 the notebook asserts that both produce the same scales, the same skipped steps
 and the same parameters.
 """
+
 from __future__ import annotations
 
 import contextlib
 import math
 import struct
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -34,18 +35,26 @@ LAYOUT = {torch.float32: (8, 23), torch.float16: (5, 10), torch.bfloat16: (8, 7)
 # Number formats
 # ---------------------------------------------------------------------------------------------
 
+
 def finfo_table() -> list[dict]:
     """Range and precision of fp32, fp16 and bf16, from torch.finfo."""
     rows = []
     for dtype in FLOAT_DTYPES:
         info = torch.finfo(dtype)
         exponent_bits, mantissa_bits = LAYOUT[dtype]
-        rows.append({
-            "dtype": DTYPE_NAMES[dtype], "bits": info.bits, "exponent bits": exponent_bits,
-            "mantissa bits": mantissa_bits, "max": info.max, "smallest normal": info.smallest_normal,
-            "smallest subnormal": smallest_subnormal(dtype), "eps": info.eps,
-            "decimal digits": round(math.log10(2) * (mantissa_bits + 1), 1),
-        })
+        rows.append(
+            {
+                "dtype": DTYPE_NAMES[dtype],
+                "bits": info.bits,
+                "exponent bits": exponent_bits,
+                "mantissa bits": mantissa_bits,
+                "max": info.max,
+                "smallest normal": info.smallest_normal,
+                "smallest subnormal": smallest_subnormal(dtype),
+                "eps": info.eps,
+                "decimal digits": round(math.log10(2) * (mantissa_bits + 1), 1),
+            }
+        )
     return rows
 
 
@@ -75,12 +84,13 @@ def bit_fields(value: float, dtype: torch.dtype) -> tuple[str, str, str]:
     else:  # fp16 and bf16 are both 16 bits: reinterpret the stored value as int16
         bits = torch.tensor(value, dtype=torch.float64).to(dtype).view(torch.int16).item() & 0xFFFF
     text = format(bits, f"0{1 + exponent_bits + mantissa_bits}b")
-    return text[0], text[1:1 + exponent_bits], text[1 + exponent_bits:]
+    return text[0], text[1 : 1 + exponent_bits], text[1 + exponent_bits :]
 
 
 # ---------------------------------------------------------------------------------------------
 # What autocast does: the dtype of every op
 # ---------------------------------------------------------------------------------------------
+
 
 class _OpDtypeRecorder(TorchDispatchMode):
     def __init__(self):
@@ -111,6 +121,7 @@ def record_op_dtypes(fn: Callable[[], torch.Tensor]) -> list[tuple[str, tuple[st
 # ---------------------------------------------------------------------------------------------
 # Dynamic loss scaling from scratch
 # ---------------------------------------------------------------------------------------------
+
 
 def local_grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The gradients this rank holds: for FSDP2's DTensor gradients, the local shard."""
@@ -152,14 +163,21 @@ class DynamicLossScaler:
     ranks hold different gradients; kept to show what goes wrong).
     """
 
-    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000, group=None, sync_found_inf: bool = True):
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        group=None,
+        sync_found_inf: bool = True,
+    ):
         # fp32 tensors, like GradScaler's, so the arithmetic rounds the same way
         self._scale = torch.tensor(init_scale, dtype=torch.float32)
         self._growth_tracker = 0
         self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
         self.group, self.sync_found_inf = group, sync_found_inf
-        self._found_inf: torch.Tensor | None = None   # set by unscale_, consumed by update
+        self._found_inf: torch.Tensor | None = None  # set by unscale_, consumed by update
         self.skipped_steps: list[int] = []
         self._steps = 0
 
@@ -185,7 +203,7 @@ class DynamicLossScaler:
         if self._found_inf.item() == 0.0:
             optimizer.step()
         else:
-            self.skipped_steps.append(self._steps)   # inf/nan somewhere: the update would poison the weights
+            self.skipped_steps.append(self._steps)  # inf/nan somewhere: the update would poison the weights
 
     def update(self) -> None:
         if self._found_inf is None:
@@ -197,7 +215,7 @@ class DynamicLossScaler:
             self._growth_tracker += 1
             if self._growth_tracker == self.growth_interval:
                 grown = self._scale * self.growth_factor
-                if torch.isfinite(grown):          # never grow into inf
+                if torch.isfinite(grown):  # never grow into inf
                     self._scale = grown
                 self._growth_tracker = 0
         self._found_inf = None
@@ -208,15 +226,23 @@ class DynamicLossScaler:
 # One training loop for both scalers
 # ---------------------------------------------------------------------------------------------
 
+
 def poison_one_gradient(optimizer: torch.optim.Optimizer) -> None:
     """Write inf into the first element of this rank's first local gradient: an overflow on this rank only."""
     with torch.no_grad():
         local_grads(optimizer)[0].view(-1)[0] = math.inf
 
 
-def amp_training_loop(model: nn.Module, optimizer: torch.optim.Optimizer, scaler, batches, *,
-                      dtype: torch.dtype = torch.float16, poison: dict[int, int] | None = None,
-                      max_norm: float | None = None) -> dict:
+def amp_training_loop(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler,
+    batches,
+    *,
+    dtype: torch.dtype = torch.float16,
+    poison: dict[int, int] | None = None,
+    max_norm: float | None = None,
+) -> dict:
     """Train with autocast(`dtype`) and `scaler` (torch.amp.GradScaler or DynamicLossScaler).
 
     `poison` maps step -> rank: on that step that rank alone finds an inf in its gradients.
@@ -233,7 +259,7 @@ def amp_training_loop(model: nn.Module, optimizer: torch.optim.Optimizer, scaler
         scaler.scale(loss).backward()
         if poison.get(step) == rank:
             poison_one_gradient(optimizer)
-        scaler.unscale_(optimizer)                   # unscale first, so clipping sees the true gradients
+        scaler.unscale_(optimizer)  # unscale first, so clipping sees the true gradients
         if max_norm is not None:
             nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         before = [local_tensor(p.detach()).clone() for p in model.parameters()]
@@ -255,10 +281,13 @@ def rank_batches(n_steps: int, global_batch: int, device: torch.device, seed: in
 
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     x, y = regression(n=n_steps * global_batch, seed=seed).tensors
-    return [(x[s * global_batch:(s + 1) * global_batch][rank::world].to(device),
-             y[s * global_batch:(s + 1) * global_batch][rank::world].to(device)) for s in range(n_steps)]
-
-
+    return [
+        (
+            x[s * global_batch : (s + 1) * global_batch][rank::world].to(device),
+            y[s * global_batch : (s + 1) * global_batch][rank::world].to(device),
+        )
+        for s in range(n_steps)
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,8 +297,9 @@ def rank_batches(n_steps: int, global_batch: int, device: torch.device, seed: in
 PRECISION_MODES = ("fp32", "bf16 autocast", "fp16 autocast, no scaling", "fp16 autocast + GradScaler")
 
 
-def train_precision_mode(mode: str, batches, *, lr: float, loss_factor: float, device: torch.device,
-                         n_layers: int = 2) -> dict:
+def train_precision_mode(
+    mode: str, batches, *, lr: float, loss_factor: float, device: torch.device, n_layers: int = 2
+) -> dict:
     """Data-parallel SGD of the course MLP in one precision mode; gradients averaged over ranks.
 
     `loss_factor` (a power of two) shrinks the loss, and `lr / loss_factor` undoes it: in fp32 the
@@ -291,15 +321,20 @@ def train_precision_mode(mode: str, batches, *, lr: float, loss_factor: float, d
         (scaler.scale(scaled) if scaler else scaled).backward()
         weights = [p.grad for p in model.parameters() if p.dim() == 2]
         # the global batch's loss and zeroed fraction: the same number on every rank
-        logged = torch.tensor([loss.item(), sum(int((g == 0).sum()) for g in weights) / sum(g.numel() for g in weights)],
-                              dtype=torch.float64, device=device)
+        logged = torch.tensor(
+            [loss.item(), sum(int((g == 0).sum()) for g in weights) / sum(g.numel() for g in weights)],
+            dtype=torch.float64,
+            device=device,
+        )
         if world > 1:
             # what DDP does during backward: average the gradients (one flat all-reduce, with the log values)
             grads = [p.grad for p in model.parameters()]
             flat = torch.cat([g.flatten().double() for g in grads] + [logged])
             dist.all_reduce(flat)
             flat /= world
-            torch._foreach_copy_(grads, [v.view_as(g) for v, g in zip(flat[:-2].split([g.numel() for g in grads]), grads)])
+            torch._foreach_copy_(
+                grads, [v.view_as(g) for v, g in zip(flat[:-2].split([g.numel() for g in grads]), grads)]
+            )
             logged = flat[-2:]
         if scaler:
             before = scaler.get_scale()
@@ -317,6 +352,7 @@ def train_precision_mode(mode: str, batches, *, lr: float, loss_factor: float, d
 # ---------------------------------------------------------------------------------------------
 # Memory of parameters and activations
 # ---------------------------------------------------------------------------------------------
+
 
 def saved_activation_bytes(model: nn.Module, x: torch.Tensor) -> int:
     """Bytes autograd keeps for backward during `model(x)`, parameters themselves not counted.
@@ -346,6 +382,7 @@ def local_param_bytes(model: nn.Module) -> int:
 # FSDP2 mixed precision: which dtype goes over the wire
 # ---------------------------------------------------------------------------------------------
 
+
 @contextlib.contextmanager
 def record_collectives():
     """Record (name, dtype, bytes of the full tensor) for every all_gather_single / reduce_scatter_single call.
@@ -363,6 +400,7 @@ def record_collectives():
             full = output if name == "all_gather_single" else input
             calls.append((name, DTYPE_NAMES.get(input.dtype, str(input.dtype)), full.numel() * full.element_size()))
             return original(output, input, *args, **kwargs)
+
         return recorded
 
     for name, original in originals.items():
@@ -374,8 +412,9 @@ def record_collectives():
             setattr(dist, name, original)
 
 
-def inspect_fsdp2_mixed_precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                  device: torch.device | None = None) -> dict:
+def inspect_fsdp2_mixed_precision(
+    param_dtype=torch.bfloat16, reduce_dtype=torch.float32, device: torch.device | None = None
+) -> dict:
     """One forward/backward of an FSDP2-sharded MLP under MixedPrecisionPolicy; the dtypes at each stage."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -390,12 +429,12 @@ def inspect_fsdp2_mixed_precision(param_dtype=torch.bfloat16, reduce_dtype=torch
     fully_shard(model, mp_policy=policy)
     seen = {}
 
-    def before_forward(module, args):   # runs after FSDP2's own pre-forward hook has gathered the weight
+    def before_forward(module, args):  # runs after FSDP2's own pre-forward hook has gathered the weight
         seen["gathered weight"] = module.weight.dtype
         seen["layer input"] = args[0].dtype
 
     def after_forward(module, args, out):
-        seen["layer output"] = out.dtype   # returns None: a forward hook that returns a value replaces the output
+        seen["layer output"] = out.dtype  # returns None: a forward hook that returns a value replaces the output
 
     model[0].register_forward_pre_hook(before_forward)
     model[0].register_forward_hook(after_forward)
@@ -420,6 +459,7 @@ def inspect_fsdp2_mixed_precision(param_dtype=torch.bfloat16, reduce_dtype=torch
 # The anti-pattern: a hand-managed scale next to GradScaler
 # ---------------------------------------------------------------------------------------------
 
+
 class MixedPrecisionTrainer:
     """ANTI-PATTERN, do not copy: keeps its own loss scale *and* uses a GradScaler.
 
@@ -432,17 +472,17 @@ class MixedPrecisionTrainer:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float = 1.0):
         self.model, self.optimizer, self.max_norm = model, optimizer, max_norm
         self.scaler = torch.amp.GradScaler("cpu")
-        self.loss_scale = 2.0**8          # "our own" scale, doubled on success, halved on overflow
+        self.loss_scale = 2.0**8  # "our own" scale, doubled on success, halved on overflow
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         with torch.autocast("cpu", dtype=torch.float16):
             loss = nn.functional.mse_loss(self.model(x), y)
-        self.scaler.scale(loss * self.loss_scale).backward()                 # (1) scaled twice
-        nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)      # (2) clips scaled gradients
+        self.scaler.scale(loss * self.loss_scale).backward()  # (1) scaled twice
+        nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)  # (2) clips scaled gradients
         finite = all(torch.isfinite(p.grad).all() for p in self.model.parameters())
         self.loss_scale = self.loss_scale * 2 if finite else self.loss_scale / 2
         self.scaler.step(self.optimizer)
-        self.scaler.update(new_scale=2.0**16)                                  # (3) overrides the backoff
+        self.scaler.update(new_scale=2.0**16)  # (3) overrides the backoff
         self.optimizer.zero_grad(set_to_none=True)
         return loss.item()
 
@@ -450,6 +490,7 @@ class MixedPrecisionTrainer:
 # ---------------------------------------------------------------------------------------------
 # Exercise: the found-inf check that agrees across ranks
 # ---------------------------------------------------------------------------------------------
+
 
 def solution_found_inf(grads: list[torch.Tensor]) -> torch.Tensor:
     found = torch.zeros(())
@@ -493,25 +534,26 @@ def check_found_inf(fn: Callable[[list[torch.Tensor]], torch.Tensor]) -> None:
                 wrong = f"case '{description}': expected {expected}, got {got.flatten().tolist() if got.numel() > 1 else float(got)}"
             elif not all(torch.equal(g.nan_to_num(), o.nan_to_num()) for g, o in zip(grads, originals)):
                 wrong = f"case '{description}': the check changed the gradients; it should only read them"
-        except Exception as error:   # noqa: BLE001 - reported as the learner's error, after the ranks agree
+        except Exception as error:
             wrong = f"case '{description}': your function raised {type(error).__name__}: {error}"
         anyone_wrong = torch.tensor(1.0 if wrong else 0.0)
         dist.all_reduce(anyone_wrong, op=dist.ReduceOp.MAX)
         if wrong:
             raise ExerciseFailed(wrong)
         if anyone_wrong.item():
-            return   # another rank's answer was wrong; that rank reports it
+            return  # another rank's answer was wrong; that rank reports it
 
 
 # ---------------------------------------------------------------------------------------------
 # GPU only: matmul throughput per dtype
 # ---------------------------------------------------------------------------------------------
 
+
 def matmul_tflops(dtype: torch.dtype, device: torch.device, n: int = 8192, repeats: int = 10) -> float:
     """Median TFLOP/s of an n x n x n matmul on a CUDA device (2 n^3 flops per product)."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(3):   # warm-up: kernel selection, clocks
+    for _ in range(3):  # warm-up: kernel selection, clocks
         a @ b
     torch.cuda.synchronize(device)
     times_ms = []

@@ -1,4 +1,5 @@
 """Notebook 00: process groups and torchrun. The health check and the exercises' checkers."""
+
 from __future__ import annotations
 
 import os
@@ -8,8 +9,16 @@ import torch.distributed as dist
 
 from course_lib.exercises import ExerciseFailed, expect_equal
 
-TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
+TORCHRUN_ENV = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+)
 
 
 def torchrun_env() -> dict[str, str]:
@@ -26,8 +35,9 @@ def health_check(device: torch.device | str = "cpu") -> float:
     dist.all_reduce(ones, op=dist.ReduceOp.SUM)
     total = ones.item()
     if total != dist.get_world_size():
-        raise RuntimeError(f"health check failed on rank {dist.get_rank()}: sum {total}, "
-                           f"expected world size {dist.get_world_size()}")
+        raise RuntimeError(
+            f"health check failed on rank {dist.get_rank()}: sum {total}, expected world size {dist.get_world_size()}"
+        )
     return total
 
 
@@ -50,8 +60,9 @@ def check_rank_sum(fn) -> None:
     """fn() on every rank must return 0 + 1 + ... + (world_size - 1)."""
     n = dist.get_world_size()
     got = fn()
-    expect_equal(f"rank_sum() with world size {n}", int(got) if isinstance(got, torch.Tensor) else got,
-                 n * (n - 1) // 2)
+    expect_equal(
+        f"rank_sum() with world size {n}", int(got) if isinstance(got, torch.Tensor) else got, n * (n - 1) // 2
+    )
 
 
 def check_gather_ranks(fn) -> None:

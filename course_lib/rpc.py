@@ -8,6 +8,7 @@ kernel, never in the ranks.
 Worker names follow one convention: rank 0 is ``"server"``, rank r > 0 is
 ``"trainer{r}"``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,7 +38,8 @@ SERVER = "server"
 # is a Backend, not a ProcessGroup, so distributed_c10d warns about an API the *caller*
 # uses: torch's own code, not ours, and nothing our code does can avoid it.
 BACKEND_AS_PROCESS_GROUP = re.compile(
-    r"You are using a Backend <class 'torch\.distributed\.distributed_c10d\.ProcessGroupGloo'> as a ProcessGroup\.")
+    r"You are using a Backend <class 'torch\.distributed\.distributed_c10d\.ProcessGroupGloo'> as a ProcessGroup\."
+)
 
 
 def worker_name(rank: int) -> str:
@@ -47,12 +49,16 @@ def worker_name(rank: int) -> str:
 def _is_torch_internal_backend_notice(record: warnings.WarningMessage) -> bool:
     """Exactly the notice init_rpc triggers inside torch: message, category and file must all match."""
     filename = record.filename.replace(os.sep, "/")
-    return (record.category is UserWarning and bool(BACKEND_AS_PROCESS_GROUP.match(str(record.message)))
-            and filename.endswith("torch/distributed/distributed_c10d.py"))
+    return (
+        record.category is UserWarning
+        and bool(BACKEND_AS_PROCESS_GROUP.match(str(record.message)))
+        and filename.endswith("torch/distributed/distributed_c10d.py")
+    )
 
 
-def start(rank: int, world_size: int, name: str | None = None, timeout_s: float = 60.0,
-          num_worker_threads: int = 16) -> list[dict[str, str]]:
+def start(
+    rank: int, world_size: int, name: str | None = None, timeout_s: float = 60.0, num_worker_threads: int = 16
+) -> list[dict[str, str]]:
     """`rpc.init_rpc` under the course's names, hiding only torch's internal Backend notice.
 
     Every other warning raised during init is shown as usual. Returns one record
@@ -65,9 +71,13 @@ def start(rank: int, world_size: int, name: str | None = None, timeout_s: float 
     hidden = []
     for record in caught:
         if _is_torch_internal_backend_notice(record):
-            hidden.append({"category": record.category.__name__,
-                           "source": "/".join(record.filename.replace(os.sep, "/").split("/")[-3:]),
-                           "message": str(record.message).split(". ")[0] + "."})
+            hidden.append(
+                {
+                    "category": record.category.__name__,
+                    "source": "/".join(record.filename.replace(os.sep, "/").split("/")[-3:]),
+                    "message": str(record.message).split(". ")[0] + ".",
+                }
+            )
         else:
             warnings.showwarning(record.message, record.category, record.filename, record.lineno)
     return hidden
@@ -171,7 +181,7 @@ def trainer_batch(step: int, trainer: int, n_trainers: int, batch_size: int = 16
     `n_trainers * batch_size` rows of a fixed permutation; each trainer takes its slice."""
     data = _dataset(n_samples)
     order = torch.randperm(n_samples, generator=torch.Generator().manual_seed(step))
-    rows = order[(trainer * batch_size) % n_samples:][:batch_size]
+    rows = order[(trainer * batch_size) % n_samples :][:batch_size]
     return data.tensors[0][rows], data.tensors[1][rows]
 
 
@@ -269,8 +279,9 @@ class LockingParameterServer:
             return self.version, snapshot(self.model)
 
     @staticmethod
-    def update_and_fetch(server_rref: rpc.RRef, trainer: int, gradients: list[torch.Tensor],
-                         read_version: int) -> tuple[int, list[torch.Tensor]]:
+    def update_and_fetch(
+        server_rref: rpc.RRef, trainer: int, gradients: list[torch.Tensor], read_version: int
+    ) -> tuple[int, list[torch.Tensor]]:
         self = server_rref.local_value()
         with self.lock:
             self.staleness.append(self.version - read_version)
@@ -284,8 +295,9 @@ class LockingParameterServer:
 SERVERS = {"sync": BatchingParameterServer, "async": LockingParameterServer}
 
 
-def train_on_trainer(server_rref: rpc.RRef, mode: str, trainer: int, n_trainers: int, steps: int,
-                     batch_size: int) -> list[float]:
+def train_on_trainer(
+    server_rref: rpc.RRef, mode: str, trainer: int, n_trainers: int, steps: int, batch_size: int
+) -> list[float]:
     """Runs on a trainer: fetch parameters, compute a gradient on its batch, send it, repeat."""
     model = make_model()
     cls = SERVERS[mode]
@@ -313,8 +325,9 @@ def trainer_worker(trainer: int, world_size: int) -> str:
     return worker_name(1 + trainer % (world_size - 1))
 
 
-def run_parameter_server(mode: str, n_trainers: int, world_size: int, steps: int = 40, batch_size: int = 16,
-                         lr: float = 1.0) -> dict[str, Any]:
+def run_parameter_server(
+    mode: str, n_trainers: int, world_size: int, steps: int = 40, batch_size: int = 16, lr: float = 1.0
+) -> dict[str, Any]:
     """Runs on the server: build the server object, start every trainer through rpc_async, wait.
 
     Returns the per-step loss (mean over trainers), the final parameters, the staleness
@@ -323,14 +336,25 @@ def run_parameter_server(mode: str, n_trainers: int, world_size: int, steps: int
     server = SERVERS[mode](n_trainers, lr)
     server_rref = rpc.RRef(server)  # owned here; trainers reach it through the RRef
     start_time = time.perf_counter()
-    futures = [rpc.rpc_async(trainer_worker(t, world_size), train_on_trainer,
-                             args=(server_rref, mode, t, n_trainers, steps, batch_size)) for t in range(n_trainers)]
+    futures = [
+        rpc.rpc_async(
+            trainer_worker(t, world_size), train_on_trainer, args=(server_rref, mode, t, n_trainers, steps, batch_size)
+        )
+        for t in range(n_trainers)
+    ]
     per_trainer = torch.futures.wait_all(futures)
     wall_s = time.perf_counter() - start_time
     losses = [statistics.fmean(step_losses) for step_losses in zip(*per_trainer)]
     staleness = getattr(server, "staleness", [])
-    return {"mode": mode, "n_trainers": n_trainers, "losses": losses, "parameters": snapshot(server.model),
-            "staleness": staleness, "wall_s": wall_s, "updates": n_trainers * steps}
+    return {
+        "mode": mode,
+        "n_trainers": n_trainers,
+        "losses": losses,
+        "parameters": snapshot(server.model),
+        "staleness": staleness,
+        "wall_s": wall_s,
+        "updates": n_trainers * steps,
+    }
 
 
 def data_parallel_reference(n_trainers: int, steps: int = 40, batch_size: int = 16, lr: float = 1.0):
@@ -342,8 +366,9 @@ def data_parallel_reference(n_trainers: int, steps: int = 40, batch_size: int = 
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
     for step in range(steps):
-        results = [loss_and_gradients(model, *trainer_batch(step, t, n_trainers, batch_size))
-                   for t in range(n_trainers)]
+        results = [
+            loss_and_gradients(model, *trainer_batch(step, t, n_trainers, batch_size)) for t in range(n_trainers)
+        ]
         losses.append(statistics.fmean(loss for loss, _ in results))
         for i, p in enumerate(model.parameters()):
             total = results[0][1][i].clone()
@@ -480,8 +505,13 @@ def distributed_training_step(world_size: int, x: torch.Tensor, y: torch.Tensor,
         local_grads_here = len(dist_autograd.get_gradients(context_id))
         optimizer.step(context_id)
     parameters = [p for s in stages for p in rpc.rpc_sync(s.owner(), stage_parameters, args=(s,))]
-    return {"loss": loss.item(), "gradients": gradients, "parameters": parameters,
-            "owners": [s.owner().name for s in stages], "local_grads_here": local_grads_here}
+    return {
+        "loss": loss.item(),
+        "gradients": gradients,
+        "parameters": parameters,
+        "owners": [s.owner().name for s in stages],
+        "local_grads_here": local_grads_here,
+    }
 
 
 def local_training_step(x: torch.Tensor, y: torch.Tensor, lr: float = 0.1) -> dict[str, Any]:
@@ -533,6 +563,7 @@ def check_counter(add_fn, calls_per_trainer: int = 8, amount_base: int = 1) -> N
     run on the server; the total must be the sum of every amount, and every call must have
     seen a different total (no two updates interleaved)."""
     import torch.distributed as dist
+
     from course_lib.exercises import ExerciseFailed
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -541,17 +572,23 @@ def check_counter(add_fn, calls_per_trainer: int = 8, amount_base: int = 1) -> N
     try:
         if rank == 0:
             counter_rref = rpc.RRef(Counter())
-            futures = [rpc.rpc_async(worker_name(r), _trainer_counts, args=(counter_rref, add_fn, r, calls_per_trainer))
-                       for r in range(1, world_size)]
+            futures = [
+                rpc.rpc_async(worker_name(r), _trainer_counts, args=(counter_rref, add_fn, r, calls_per_trainer))
+                for r in range(1, world_size)
+            ]
             returned = [v for f in futures for v in f.wait()]
             expected = sum(r * amount_base * calls_per_trainer for r in range(1, world_size))
             total = _read_counter(counter_rref)
             if total != expected:
-                problem = (f"the counter's owner: total expected {expected}, got {total} "
-                           f"after {len(returned)} updates from {world_size - 1} trainer(s)")
+                problem = (
+                    f"the counter's owner: total expected {expected}, got {total} "
+                    f"after {len(returned)} updates from {world_size - 1} trainer(s)"
+                )
             elif sorted(returned) != sorted(set(returned)) or max(returned, default=0) != expected:
-                problem = (f"the {len(returned)} calls returned the totals {sorted(returned)}: each call "
-                           f"must return the total right after its own update (all different, the last = {expected})")
+                problem = (
+                    f"the {len(returned)} calls returned the totals {sorted(returned)}: each call "
+                    f"must return the total right after its own update (all different, the last = {expected})"
+                )
     finally:
         rpc.shutdown()
     if problem:

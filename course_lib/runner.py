@@ -8,6 +8,7 @@
 Each notebook runs with notebooks/ as its working directory. The exit status is
 non-zero when any notebook fails; the table names the failing cell and rank.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -86,8 +87,13 @@ def run_notebook(path: Path, output: Path, parameters: dict, timeout: float, pro
     start = time.monotonic()
     try:
         pm.execute_notebook(
-            str(path), str(output), parameters=parameters or None, cwd=str(path.parent),
-            kernel_name="python3", progress_bar=progress, execution_timeout=timeout,
+            str(path),
+            str(output),
+            parameters=parameters or None,
+            cwd=str(path.parent),
+            kernel_name="python3",
+            progress_bar=progress,
+            execution_timeout=timeout,
         )
     except pm.PapermillExecutionError as error:
         return Outcome(path.stem, False, time.monotonic() - start, describe_failure(output, error))
@@ -106,14 +112,18 @@ def print_table(outcomes: list[Outcome]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m course_lib.runner", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m course_lib.runner", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("notebooks", nargs="*", help="notebook paths or name prefixes (default: all)")
     parser.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"))
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"executed copies go here (default {DEFAULT_OUT})")
+    parser.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help=f"executed copies go here (default {DEFAULT_OUT})"
+    )
     parser.add_argument("--timeout", type=float, default=900, help="seconds one cell may run (default 900)")
-    parser.add_argument("--inplace", action="store_true",
-                        help="write the executed notebooks over the sources (refresh stored outputs)")
+    parser.add_argument(
+        "--inplace", action="store_true", help="write the executed notebooks over the sources (refresh stored outputs)"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no per-cell progress bars")
     args = parser.parse_args(argv)
     os.environ["COURSE_HEADLESS"] = "1"  # explorers draw their default view (see course_lib.viz)

@@ -4,6 +4,7 @@ Everything a `%%torchrun` cell gets before its body runs comes from here, so a
 script saved with `--save` (or written by hand for a cluster) does the same by
 calling :func:`init_distributed` and :func:`shutdown`.
 """
+
 from __future__ import annotations
 
 import os
@@ -75,8 +76,13 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def _agent_store(timeout_s: float) -> dist.Store:
     """A client of the TCP store torchrun's agent serves at MASTER_ADDR:MASTER_PORT."""
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                         int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timedelta(seconds=timeout_s))
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=False,
+        timeout=timedelta(seconds=timeout_s),
+    )
 
 
 def seed_everything(seed: int) -> None:

@@ -16,6 +16,7 @@ where the communication goes with two conjugate operators (Megatron-LM's f and g
 plus a split operator (take my slice forward, all-gather backward) for a row-parallel layer whose
 input is not yet split, and its reverse.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -36,8 +37,10 @@ def shard_size(size: int, world_size: int, what: str) -> int:
     """size // world_size, or a ValueError that says which tensor-parallel sizes would divide `size`."""
     if size % world_size:
         fits = [n for n in range(1, min(size, 64) + 1) if size % n == 0]
-        raise ValueError(f"{what}: {size} does not split evenly over {world_size} ranks; "
-                         f"tensor-parallel sizes that divide {size}: {fits}")
+        raise ValueError(
+            f"{what}: {size} does not split evenly over {world_size} ranks; "
+            f"tensor-parallel sizes that divide {size}: {fits}"
+        )
     return size // world_size
 
 
@@ -79,7 +82,7 @@ def split_last_dim(x: torch.Tensor, group=None) -> torch.Tensor:
     """This rank's slice of the last dimension (no communication)."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
     width = shard_size(x.shape[-1], n, "input features of a row-parallel layer")
-    return x[..., r * width:(r + 1) * width]
+    return x[..., r * width : (r + 1) * width]
 
 
 def gather_last_dim(x: torch.Tensor, group=None) -> torch.Tensor:
@@ -145,8 +148,8 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.gather_output, self.copy_input = group, gather_output, copy_input
         n, r = dist.get_world_size(group), dist.get_rank(group)
         rows = shard_size(full.out_features, n, "output features of a column-parallel layer")
-        self.weight = nn.Parameter(full.weight.detach()[r * rows:(r + 1) * rows].clone())
-        self.bias = nn.Parameter(full.bias.detach()[r * rows:(r + 1) * rows].clone())
+        self.weight = nn.Parameter(full.weight.detach()[r * rows : (r + 1) * rows].clone())
+        self.bias = nn.Parameter(full.bias.detach()[r * rows : (r + 1) * rows].clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.copy_input:
@@ -164,7 +167,7 @@ class RowParallelLinear(nn.Module):
         self.split_backward_fn = split_backward_fn or (lambda g: gather_last_dim(g, group))
         n, r = dist.get_world_size(group), dist.get_rank(group)
         cols = shard_size(full.in_features, n, "input features of a row-parallel layer")
-        self.weight = nn.Parameter(full.weight.detach()[:, r * cols:(r + 1) * cols].clone())
+        self.weight = nn.Parameter(full.weight.detach()[:, r * cols : (r + 1) * cols].clone())
         self.bias = nn.Parameter(full.bias.detach().clone())  # replicated: added after the sum
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -194,8 +197,7 @@ class ParallelAttention(nn.Module):
         super().__init__()
         shard_size(n_heads, dist.get_world_size(group), "attention heads")
         self.head_dim = full.head_dim
-        self.q, self.k, self.v = (ColumnParallelLinear(getattr(full, name), group, copy_input=False)
-                                  for name in "qkv")
+        self.q, self.k, self.v = (ColumnParallelLinear(getattr(full, name), group, copy_input=False) for name in "qkv")
         self.o = RowParallelLinear(full.o, group)
         self.group = group
 
@@ -227,8 +229,7 @@ def tp_plan(sequence_parallel: bool = False) -> dict:
     and a reduce-scatter after them replace each all-reduce.
     """
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel)
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
     plan = {f"attention.{name}": ColwiseParallel() for name in "qkv"}
     plan["feed_forward.up"] = ColwiseParallel()
@@ -237,12 +238,16 @@ def tp_plan(sequence_parallel: bool = False) -> dict:
         plan["feed_forward.down"] = RowwiseParallel()
         return plan
     gather = dict(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-    plan.update({
-        "norm1": SequenceParallel(), "norm2": SequenceParallel(),
-        "attention": PrepareModuleInput(**gather), "feed_forward": PrepareModuleInput(**gather),
-        "attention.o": RowwiseParallel(output_layouts=Shard(1)),
-        "feed_forward.down": RowwiseParallel(output_layouts=Shard(1)),
-    })
+    plan.update(
+        {
+            "norm1": SequenceParallel(),
+            "norm2": SequenceParallel(),
+            "attention": PrepareModuleInput(**gather),
+            "feed_forward": PrepareModuleInput(**gather),
+            "attention.o": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.down": RowwiseParallel(output_layouts=Shard(1)),
+        }
+    )
     return plan
 
 
@@ -254,12 +259,12 @@ def torch_parallel_block(mesh, sequence_parallel: bool = False, **block_args) ->
     return parallelize_module(TransformerBlock(**block_args), mesh, tp_plan(sequence_parallel))
 
 
-
-
 def full_gradients(block: nn.Module) -> dict[str, torch.Tensor]:
     """Parameter gradients of a (possibly DTensor-parallelized) block, gathered into full tensors."""
-    return {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
-            for name, p in block.named_parameters()}
+    return {
+        name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+        for name, p in block.named_parameters()
+    }
 
 
 def shard_of(full: torch.Tensor, name: str, rank: int, world_size: int) -> torch.Tensor:
@@ -268,10 +273,10 @@ def shard_of(full: torch.Tensor, name: str, rank: int, world_size: int) -> torch
     row_weight = name in ("attention.o.weight", "feed_forward.down.weight")
     if column:
         n = full.shape[0] // world_size
-        return full[rank * n:(rank + 1) * n]
+        return full[rank * n : (rank + 1) * n]
     if row_weight:
         n = full.shape[1] // world_size
-        return full[:, rank * n:(rank + 1) * n]
+        return full[:, rank * n : (rank + 1) * n]
     return full
 
 
@@ -315,9 +320,11 @@ def check_split_backward(fn) -> None:
         got = fn(grad_slice)
         if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
             shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
-            raise ExerciseFailed(f"rank {rank}: for a slice gradient of shape {tuple(grad_slice.shape)} the "
-                                 f"input gradient should have the whole input's shape {tuple(expected.shape)}, "
-                                 f"got {shape}")
+            raise ExerciseFailed(
+                f"rank {rank}: for a slice gradient of shape {tuple(grad_slice.shape)} the "
+                f"input gradient should have the whole input's shape {tuple(expected.shape)}, "
+                f"got {shape}"
+            )
         return got
 
     layer = RowParallelLinear(full, input_is_parallel=False, split_backward_fn=checked)
@@ -326,15 +333,18 @@ def check_split_backward(fn) -> None:
     got = mine.grad
     if got is None or got.shape != expected.shape:
         shape = None if got is None else tuple(got.shape)
-        raise ExerciseFailed(f"rank {rank}: the input gradient should have the input's shape "
-                             f"{tuple(expected.shape)}, got {shape}")
+        raise ExerciseFailed(
+            f"rank {rank}: the input gradient should have the input's shape {tuple(expected.shape)}, got {shape}"
+        )
     wrong = ~torch.isclose(got, expected, atol=1e-5, rtol=1e-4)
     if wrong.any():
         i, j = (int(v) for v in wrong.nonzero()[0])
         owner = j // 12
-        raise ExerciseFailed(f"rank {rank}: input gradient [{i}, {j}] (feature {j} is computed on rank {owner}) "
-                             f"expected {expected[i, j].item():.5g}, got {got[i, j].item():.5g} "
-                             f"({int(wrong.sum())} of {wrong.numel()} elements wrong)")
+        raise ExerciseFailed(
+            f"rank {rank}: input gradient [{i}, {j}] (feature {j} is computed on rank {owner}) "
+            f"expected {expected[i, j].item():.5g}, got {got[i, j].item():.5g} "
+            f"({int(wrong.sum())} of {wrong.numel()} elements wrong)"
+        )
 
 
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:

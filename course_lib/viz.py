@@ -5,11 +5,13 @@ copy). `explore` is an ipywidgets explorer in JupyterLab; when the notebook is
 executed headless (the runner and the tests set COURSE_HEADLESS=1) it draws the
 default view as a plain figure, so executed notebooks keep a picture.
 """
+
 from __future__ import annotations
 
 import inspect
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def show(obj: Any) -> None:

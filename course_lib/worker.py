@@ -7,6 +7,7 @@ body `cell.py` and the pushed values. This process records its pid so the
 launcher can end it, dies with its torchrun agent, runs the body, and leaves
 behind the `--out` values, a `done` marker, or a torchelastic error file.
 """
+
 from __future__ import annotations
 
 import json
@@ -82,13 +83,18 @@ def main(run_dir: Path) -> None:
     cell_file = str(run_dir / "cell.py")
     try:
         if config["init"]:
-            from course_lib import runtime
             import torch.distributed as dist
+
+            from course_lib import runtime
 
             ctx = runtime.init_distributed(config["backend"], config["pg_timeout_s"])
             namespace.update(
-                torch=torch, dist=dist, rank=ctx.rank, world_size=ctx.world_size,
-                local_rank=ctx.local_rank, device=ctx.device,
+                torch=torch,
+                dist=dist,
+                rank=ctx.rank,
+                world_size=ctx.world_size,
+                local_rank=ctx.local_rank,
+                device=ctx.device,
             )
         if config["push"]:
             namespace.update(torch.load(run_dir / "push.pt", weights_only=False))
@@ -108,7 +114,7 @@ def main(run_dir: Path) -> None:
             from course_lib import runtime
 
             runtime.shutdown()
-    except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher
+    except BaseException as exc:
         if not (isinstance(exc, SystemExit) and exc.code in (None, 0)):  # sys.exit() in a cell is a success
             record_and_exit(exc, cell_file)
     paths["done"].touch()

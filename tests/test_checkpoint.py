@@ -2,6 +2,7 @@
 
 Each launch costs a few seconds of start-up, so each one checks many things.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,7 +20,7 @@ from course_lib.models import MLP
 QUIET = dict(write=lambda text, stream: None)
 
 # Trains 2 steps (or loads), compares with the full snapshot, saves in both formats.
-RESHARD_BODY = r'''
+RESHARD_BODY = r"""
 from pathlib import Path
 import torch.distributed.checkpoint as dcp
 from course_lib import checkpoint as ck
@@ -59,13 +60,20 @@ else:                              # a later job with another world size: load b
 ck.dcp_save(root / f"dcp_{world_size}", 2, app)
 ck.save_sharded(root / f"mine_{world_size}", 2, {"app": app})
 ok = True
-'''
+"""
 
 
 def test_resharding_4_to_2_to_3_and_to_one_process(tmp_path):
     for nproc, source in ((4, None), (2, 4), (3, 2)):
-        result = launch(RESHARD_BODY, nproc, backend="gloo", out=["ok", "files_read"], timeout=120,
-                        push={"root": str(tmp_path), "source": source}, **QUIET)
+        result = launch(
+            RESHARD_BODY,
+            nproc,
+            backend="gloo",
+            out=["ok", "files_read"],
+            timeout=120,
+            push={"root": str(tmp_path), "source": source},
+            **QUIET,
+        )
         assert result.values["ok"] == [True] * nproc
         if source == 4:  # 4 -> 2: rank 0 reads saved shards 0 and 1 of a 64-row weight, rank 1 reads 2 and 3
             assert result.values["files_read"][0]["app/model/0.weight"] == ["shard_0.pt", "shard_1.pt"]
@@ -73,7 +81,11 @@ def test_resharding_4_to_2_to_3_and_to_one_process(tmp_path):
     snapshot = torch.load(tmp_path / "snapshot.pt", weights_only=True)
     assert ck.files_of(tmp_path / "mine_3" / "step_2") == sorted(ck.files_of(tmp_path / "mine_3" / "step_2"))
     assert [n for n, _ in ck.files_of(tmp_path / "dcp_3" / "step_2")] == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "__2_0.distcp",
+    ]
     # into one process, no process group: our format directly, DCP's through format_utils
     model = MLP(seed=5)
     template = {"app": {"model": model.state_dict(), "step": 0}}
@@ -82,6 +94,7 @@ def test_resharding_4_to_2_to_3_and_to_one_process(tmp_path):
     for name, tensor in snapshot["model"].items():
         assert torch.equal(model.state_dict()[name], tensor), name
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+
     dcp_to_torch_save(tmp_path / "dcp_3" / "step_2", tmp_path / "exported.pt")
     exported = torch.load(tmp_path / "exported.pt", weights_only=False)["app"]
     for name, tensor in snapshot["model"].items():
@@ -117,7 +130,9 @@ def test_verify_names_the_file_and_the_problem(tmp_path):
     with pytest.raises(ck.CheckpointError, match=r"already exists; a checkpoint is never overwritten"):
         small_checkpoint(tmp_path, 1)
     # a different model: wider layers, or other layer names
-    with pytest.raises(ck.CheckpointError, match=r"'model/0.weight' was saved with shape \[64, 32\], this model has \[128, 32\]"):
+    with pytest.raises(
+        ck.CheckpointError, match=r"'model/0.weight' was saved with shape \[64, 32\], this model has \[128, 32\]"
+    ):
         ck.load_sharded(good, {"model": MLP(d_hidden=128).state_dict(), "step": 0})
     with pytest.raises(ck.CheckpointError, match=r"has no tensor 'model/10.weight'"):
         ck.load_sharded(good, {"model": MLP(n_layers=5).state_dict(), "step": 0})
@@ -141,14 +156,14 @@ def test_a_save_that_dies_before_its_commit_leaves_nothing_behind(tmp_path, monk
     assert not (tmp_path / "step_2").exists() and (tmp_path / "step_2.tmp" / ck.METADATA).exists()
     assert ck.latest_complete(tmp_path) == (first, [("step_2.tmp", "uncommitted")])
     monkeypatch.undo()
-    second = small_checkpoint(tmp_path, 2)                # the retry replaces the leftovers and commits
+    second = small_checkpoint(tmp_path, 2)  # the retry replaces the leftovers and commits
     assert ck.latest_complete(tmp_path) == (second, [])
     assert ck.verify(first)["step"] == 1
 
 
 def test_read_plan_and_shard_rows():
     assert [ck.shard_rows(10, 4, r) for r in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 10)]
-    assert ck.shard_rows(2, 3, 2) == (2, 2)                         # an empty shard
+    assert ck.shard_rows(2, 3, 2) == (2, 2)  # an empty shard
     assert ck.read_plan(64, 4, 2) == [[(0, 0, 16), (1, 16, 32)], [(2, 32, 48), (3, 48, 64)]]
     assert ck.read_plan(64, 2, 3)[1] == [(0, 22, 32), (1, 32, 44)]  # the middle rank straddles the boundary
     for saved in (1, 2, 3, 4):
@@ -157,7 +172,7 @@ def test_read_plan_and_shard_rows():
             assert rows == list(range(10))
 
 
-KILL_BODY = r'''
+KILL_BODY = r"""
 import os
 from course_lib import checkpoint as ck
 model, optimizer, resumed_from = ck.train_resumable(root + "/run", total_steps=12, every=4, kill_at=6,
@@ -166,15 +181,23 @@ attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
 reference_model, reference_optimizer, _ = ck.train_resumable(root + f"/reference_{rank}_{attempt}", total_steps=12,
                                                              every=100)
 bitwise_equal = torch.equal(ck.local_state(model, optimizer), ck.local_state(reference_model, reference_optimizer))
-'''
+"""
 
 
 @pytest.mark.parametrize("nproc", [3])
 def test_kill_and_resume_is_bitwise_equal_to_uninterrupted(tmp_path, nproc):
-    result = launch(KILL_BODY, nproc, backend="gloo", max_restarts=1, timeout=180,
-                    push={"root": str(tmp_path)}, out=["bitwise_equal", "resumed_from"], **QUIET)
+    result = launch(
+        KILL_BODY,
+        nproc,
+        backend="gloo",
+        max_restarts=1,
+        timeout=180,
+        push={"root": str(tmp_path)},
+        out=["bitwise_equal", "resumed_from"],
+        **QUIET,
+    )
     assert len(result.attempts) == 2
-    assert result.values["resumed_from"] == [4] * nproc            # the checkpoint of step 4, not 8 (never reached)
+    assert result.values["resumed_from"] == [4] * nproc  # the checkpoint of step 4, not 8 (never reached)
     assert result.values["bitwise_equal"] == [True] * nproc
     log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert [(e["attempt"], e["step"]) for e in log] == [(0, s) for s in range(6)] + [(1, s) for s in range(4, 12)]
@@ -185,10 +208,12 @@ def test_kill_and_resume_is_bitwise_equal_to_uninterrupted(tmp_path, nproc):
 
 def wrong_string_order(root):
     import os
+
     from course_lib import checkpoint
+
     if not os.path.isdir(root):
         return None
-    for name in sorted(os.listdir(root), reverse=True):              # "step_9" > "step_10" as strings
+    for name in sorted(os.listdir(root), reverse=True):  # "step_9" > "step_10" as strings
         if name.startswith("step_") and not name.endswith(".tmp"):
             try:
                 checkpoint.verify(os.path.join(root, name))
@@ -200,6 +225,7 @@ def wrong_string_order(root):
 
 def wrong_no_verification(root):
     import os
+
     if not os.path.isdir(root):
         return None
     steps = [int(n.split("_")[1]) for n in os.listdir(root) if n.startswith("step_") and not n.endswith(".tmp")]
@@ -208,8 +234,10 @@ def wrong_no_verification(root):
 
 def wrong_crashes_on_missing_root(root):
     import os
+
     from course_lib import checkpoint
-    names = [n for n in os.listdir(root) if n.startswith("step_") and n[5:].isdigit()]   # os.listdir raises if absent
+
+    names = [n for n in os.listdir(root) if n.startswith("step_") and n[5:].isdigit()]  # os.listdir raises if absent
     for step in sorted((int(n[5:]) for n in names), reverse=True):
         try:
             return checkpoint.verify(os.path.join(root, f"step_{step}")) and os.path.join(root, f"step_{step}")
@@ -219,8 +247,11 @@ def wrong_crashes_on_missing_root(root):
 
 
 def find_latest_complete(root):
-    import os, re
+    import os
+    import re
+
     from course_lib import checkpoint
+
     if not os.path.isdir(root):
         return None
     steps = sorted((int(m.group(1)) for n in os.listdir(root) if (m := re.fullmatch(r"step_(\d+)", n))), reverse=True)
@@ -236,16 +267,24 @@ def find_latest_complete(root):
 def test_exercise_checker_in_process():
     ck.check_find_latest_complete(ck.reference_find_latest_complete)
     ck.check_find_latest_complete(find_latest_complete)
-    for wrong, message in ((wrong_string_order, "step_10 is newer than step_9: expected 'step_10', got 'step_9'"),
-                           (wrong_no_verification, "the newest is truncated, newer ones are partial: expected 'step_9', got 'step_12'"),
-                           (wrong_crashes_on_missing_root, "the directory does not exist yet: raised FileNotFoundError")):
+    for wrong, message in (
+        (wrong_string_order, "step_10 is newer than step_9: expected 'step_10', got 'step_9'"),
+        (wrong_no_verification, "the newest is truncated, newer ones are partial: expected 'step_9', got 'step_12'"),
+        (wrong_crashes_on_missing_root, "the directory does not exist yet: raised FileNotFoundError"),
+    ):
         with pytest.raises(AssertionError, match=message):
             ck.check_find_latest_complete(wrong)
 
 
 def test_exercise_check_on_ranks(capsys):
-    assert check(find_latest_complete, "course_lib.checkpoint:check_find_latest_complete", nproc=2, backend="gloo") is True
-    assert check(wrong_string_order, "course_lib.checkpoint:check_find_latest_complete", nproc=2, backend="gloo") is False
+    assert (
+        check(find_latest_complete, "course_lib.checkpoint:check_find_latest_complete", nproc=2, backend="gloo") is True
+    )
+    assert (
+        check(wrong_string_order, "course_lib.checkpoint:check_find_latest_complete", nproc=2, backend="gloo") is False
+    )
     out = capsys.readouterr().out
     assert "✓ find_latest_complete: correct on 2 ranks" in out
-    assert re.search(r"✗ wrong_string_order: rank [01]: step_10 is newer than step_9: expected 'step_10', got 'step_9'", out)
+    assert re.search(
+        r"✗ wrong_string_order: rank [01]: step_10 is newer than step_9: expected 'step_10', got 'step_9'", out
+    )

@@ -1,5 +1,6 @@
 """course_lib.collectives: the from-scratch ring against torch's collectives on real gloo ranks,
 the cost model, the ring schedule the explorer draws, and the exercise checkers."""
+
 import pytest
 import torch
 
@@ -12,7 +13,7 @@ def quiet(text, stream):
 
 
 # One launch per world size: every size and operation is checked inside it (a launch costs seconds).
-AGAINST_TORCH = r'''
+AGAINST_TORCH = r"""
 from course_lib import collectives as C
 problems = []
 def expect(cond, what):
@@ -91,7 +92,7 @@ expect(len(rows) == 10 and all(r["seconds"] > 0 and r["busbw"] > 0 for r in rows
 ar = [r for r in rows if r["name"] == "all_reduce"][0]
 expect(abs(ar["busbw"] / ar["algbw"] - 2 * (world_size - 1) / world_size) < 1e-9, "bus factor")
 ok = problems
-'''
+"""
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -151,6 +152,7 @@ def test_cost_model():
 
 def test_draw_ring_step_runs():
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -164,11 +166,13 @@ def test_draw_ring_step_runs():
 
 def reduce_scatter(tensor):
     from course_lib.collectives import ring_reduce_scatter
+
     return ring_reduce_scatter(tensor)
 
 
 def all_gather(chunk, sizes):
     from course_lib.collectives import ring_all_gather
+
     return ring_all_gather(chunk, sizes)
 
 
@@ -184,6 +188,7 @@ def reduce_scatter_with_torch(tensor):
 
 def reduce_scatter_even_split_only(tensor):
     from course_lib.collectives import ring_reduce_scatter
+
     n, r = dist.get_world_size(), dist.get_rank()
     full = tensor.clone()
     size = tensor.numel() // n  # drops the remainder: wrong when N does not divide numel
@@ -197,6 +202,7 @@ def all_gather_own_chunk_only(chunk, sizes):
 
 def all_gather_reversed(chunk, sizes):
     from course_lib.collectives import ring_all_gather
+
     n = dist.get_world_size()
     out = ring_all_gather(chunk, sizes)
     parts = torch.split(out, sizes)
@@ -213,13 +219,16 @@ def test_checkers_accept_reference_on_3_ranks(capsys):
     assert "correct on 3 ranks" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("wrong, checker, message", [
-    (reduce_scatter_without_reducing, "check_reduce_scatter", "expected"),
-    (reduce_scatter_with_torch, "check_reduce_scatter", "dist.reduce_scatter_single is not allowed"),
-    (reduce_scatter_even_split_only, "check_reduce_scatter", "expected shape"),
-    (all_gather_own_chunk_only, "check_all_gather", "expected shape"),
-    (all_gather_reversed, "check_all_gather", "expected"),
-])
+@pytest.mark.parametrize(
+    "wrong, checker, message",
+    [
+        (reduce_scatter_without_reducing, "check_reduce_scatter", "expected"),
+        (reduce_scatter_with_torch, "check_reduce_scatter", "dist.reduce_scatter_single is not allowed"),
+        (reduce_scatter_even_split_only, "check_reduce_scatter", "expected shape"),
+        (all_gather_own_chunk_only, "check_all_gather", "expected shape"),
+        (all_gather_reversed, "check_all_gather", "expected"),
+    ],
+)
 def test_checkers_reject_wrong_answers(wrong, checker, message, capsys):
     assert check(wrong, f"course_lib.collectives:{checker}", nproc=2, backend="gloo") is False
     out = capsys.readouterr().out

@@ -1,4 +1,5 @@
 """Notebook 09's library: the rank grid, the planner's formulas, the exercise checker on real ranks."""
+
 from __future__ import annotations
 
 import pytest
@@ -34,7 +35,8 @@ def test_planner_reproduces_zero3_states_and_the_layout_trade_offs():
     flat, piped = compose.plan(llama, 16, 4, 1), compose.plan(llama, 8, 4, 2)
     assert piped["dp_comm_GB"] < flat["dp_comm_GB"] / 2 + 1e-9 and piped["bubble"] > flat["bubble"] == 0
     assert compose.plan(llama, 16, 4, 1)["activations_GB"] == pytest.approx(
-        compose.plan(llama, 32, 2, 1)["activations_GB"] / 2)
+        compose.plan(llama, 32, 2, 1)["activations_GB"] / 2
+    )
     # Korthikanti et al.: 34 s b h / t per layer with sequence parallelism and selective recomputation
     assert compose.activation_bytes_per_layer(llama, 4) == pytest.approx(34 * 4096 * 8192 / 4)
     with pytest.raises(ValueError, match="keep tensor parallelism inside a node"):
@@ -42,8 +44,10 @@ def test_planner_reproduces_zero3_states_and_the_layout_trade_offs():
 
 
 def test_coordinates_exercise_checker_accepts_the_solution_and_names_wrong_ranks(capsys):
-    assert check(compose.solution_my_coordinates, "course_lib.compose:check_my_coordinates", nproc=4,
-                 backend="gloo") is True
+    assert (
+        check(compose.solution_my_coordinates, "course_lib.compose:check_my_coordinates", nproc=4, backend="gloo")
+        is True
+    )
 
     def my_coordinates(rank, pp, dp, tp):  # dp and tp swapped: right only when they are equal
         return rank // (dp * tp), rank % dp, rank // dp % tp

@@ -2,6 +2,7 @@
 
 Each multi-rank test is one launch (about 3 s of start-up), so many checks share a body.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,7 +20,7 @@ from course_lib.models import MLP
 
 QUIET = dict(write=lambda text, stream: None)
 
-EQUALITY_BODY = r'''
+EQUALITY_BODY = r"""
 from torch.nn.parallel import DistributedDataParallel as DDP
 from course_lib.data import regression
 from course_lib.ddp import MinimalDDP, check_gradient_sync, max_difference, train
@@ -75,20 +76,25 @@ try:
     unused_error = None
 except RuntimeError as error:
     unused_error = str(error)
-'''
+"""
 
 
 @pytest.mark.parametrize("nproc", [2, 3, 4])
 def test_minimal_ddp_equals_torch_ddp_and_single_process(nproc):
-    run = launch(EQUALITY_BODY, nproc, backend="gloo",
-                 out=["results", "timeline_ok", "in_sync", "out_of_sync", "unused_error"], **QUIET)
+    run = launch(
+        EQUALITY_BODY,
+        nproc,
+        backend="gloo",
+        out=["results", "timeline_ok", "in_sync", "out_of_sync", "unused_error"],
+        **QUIET,
+    )
     for rank in range(nproc):
         results = run.values["results"][rank]
         assert (25.0, 1) in results and (0.01, 2) in results
         assert results[(25.0, 1)][2] == 1 and results[(0.01, 1)][2] > 1
         for (cap_mb, accumulation), (vs_single, vs_torch, n_buckets) in results.items():
             where = f"rank {rank}, bucket_cap_mb={cap_mb}, accumulation={accumulation}"
-            assert vs_single < 1e-6, (where, vs_single)    # 3 SGD steps: only float rounding apart
+            assert vs_single < 1e-6, (where, vs_single)  # 3 SGD steps: only float rounding apart
             assert vs_torch < 1e-6, (where, vs_torch)
             assert n_buckets == len(ddp.assign_buckets(list(MLP().parameters()), int(cap_mb * ddp.MB))), where
         assert run.values["timeline_ok"][rank]
@@ -100,7 +106,7 @@ def test_minimal_ddp_equals_torch_ddp_and_single_process(nproc):
         assert "find_unused_parameters" in run.values["unused_error"][rank]
 
 
-HOOKS_SNAPSHOT_AND_EXERCISES_BODY = r'''
+HOOKS_SNAPSHOT_AND_EXERCISES_BODY = r"""
 from course_lib import ddp
 from course_lib.data import regression
 from course_lib.exercises import ExerciseFailed
@@ -149,26 +155,32 @@ for checker, candidates in ((ddp.check_average_gradient, (ddp.solution_average_g
             verdicts[candidate.__name__] = "passed"
         except ExerciseFailed as failure:
             verdicts[candidate.__name__] = str(failure)
-'''
+"""
 
 
 def test_hooks_snapshot_and_exercise_checkers():
     nproc = 3
     snapshot_path = os.path.join(tempfile.mkdtemp(), "snapshot.pt")
-    run = launch(HOOKS_SNAPSHOT_AND_EXERCISES_BODY, nproc, backend="gloo", push={"snapshot_path": snapshot_path},
-                 out=["hooks", "snapshot_step", "snapshot_gap", "snapshot_keys", "verdicts"], **QUIET)
+    run = launch(
+        HOOKS_SNAPSHOT_AND_EXERCISES_BODY,
+        nproc,
+        backend="gloo",
+        push={"snapshot_path": snapshot_path},
+        out=["hooks", "snapshot_step", "snapshot_gap", "snapshot_keys", "verdicts"],
+        **QUIET,
+    )
     hooks = run.values["hooks"][0]
     errors = {name: h[2] for name, h in hooks.items()}
     assert errors["none"] == 0.0 and 1e-5 < errors["fp16"] < 1e-3 < errors["bf16"] < 1e-2 < errors["powersgd"], errors
     for name in ("none", "fp16", "bf16"):
         sent, formula = hooks[name][:2]
-        assert abs(sent / formula - 1) < 0.05, (name, sent, formula)      # 2(N-1)/N x payload, + headers
+        assert abs(sent / formula - 1) < 0.05, (name, sent, formula)  # 2(N-1)/N x payload, + headers
     assert hooks["powersgd"][0] < 0.2 * hooks["none"][0]
     for name in ("fp16", "bf16"):
         assert abs(hooks[name][3] - hooks["none"][3]) < 0.01 * hooks["none"][3], name
     assert run.values["snapshot_step"] == [7] * nproc
     assert run.values["snapshot_gap"] == [0.0] * nproc
-    assert run.values["snapshot_keys"][0] == sorted(MLP().state_dict())    # no "module." prefix
+    assert run.values["snapshot_keys"][0] == sorted(MLP().state_dict())  # no "module." prefix
     for rank, verdicts in enumerate(run.values["verdicts"]):
         assert verdicts["solution_average_gradient"] == "passed"
         assert verdicts["solution_mean_allreduce_hook"] == "passed"
@@ -194,14 +206,16 @@ def test_assign_buckets_matches_torch_reducer():
         for cap in (1, 4096, 20_000, 2 * ddp.MB, 25 * ddp.MB):
             mine = [[position[id(p)] for p in bucket] for bucket in ddp.assign_buckets(params, cap)]
             theirs, _ = dist._compute_bucket_assignment_by_size(
-                list(reversed(params)), [cap], [False] * len(params), list(range(len(params))))
+                list(reversed(params)), [cap], [False] * len(params), list(range(len(params)))
+            )
             assert mine == theirs, (shape, cap)
 
 
 def test_simulated_buckets_and_formulas():
     grads = [100, 300, 200, 400]
-    calls = ddp.simulate_buckets(grads, [1.0, 2.0, 3.0, 4.0], bucket_cap_mb=350 / ddp.MB,
-                                 latency_s=0.5, bandwidth_Bps=100.0, world_size=2)
+    calls = ddp.simulate_buckets(
+        grads, [1.0, 2.0, 3.0, 4.0], bucket_cap_mb=350 / ddp.MB, latency_s=0.5, bandwidth_Bps=100.0, world_size=2
+    )
     # buckets close at >= 350 bytes: [100, 300] ready at 2, [200, 400] ready at 4; each costs 0.5 + bytes / 100
     assert calls == [(2.0, 6.5), (6.5, 13.0)]
     assert ddp.overlap_fraction(calls, backward_s=4.0) == pytest.approx(2.0 / 11.0)

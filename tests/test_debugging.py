@@ -3,6 +3,7 @@
 Multi-rank tests are real gloo runs through course_lib.launcher; each launch costs a few seconds of
 start-up, so one body carries many checks and brings the results back with `out`.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -13,7 +14,7 @@ from course_lib.exercises import check
 
 QUIET = dict(write=lambda text, stream: None)
 
-SCENARIOS_BODY = r'''
+SCENARIOS_BODY = r"""
 import os, tempfile, warnings
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
@@ -117,19 +118,23 @@ profiled = (any(is_allreduce(n) for n in names), allreduce_sizes(trace), sum(p.n
 
 report = environment_report()
 monitor = train_monitored(4, 8, report=False).as_dict()
-'''
+"""
 
 
 def test_debugger_scenarios_on_three_ranks():
-    run = launcher.launch(SCENARIOS_BODY, 3, backend="gloo", out=["results", "events", "profiled", "report", "monitor"],
-                          **QUIET)
+    run = launcher.launch(
+        SCENARIOS_BODY, 3, backend="gloo", out=["results", "events", "profiled", "report", "monitor"], **QUIET
+    )
     results, events = run.values["results"], run.values["events"]
     assert all(r == results[0] for r in results), "every rank must reach the same verdict"
     r = results[0]
     assert r["healthy"] == ("ok", 10)
     assert r["bypass"][0] == "GradientDesyncError" and "in 10 of 10 parameter tensors" in r["bypass"][1]
-    assert r["nudge rank 1"] == ("GradientDesyncError", "gradients differ between ranks in 1 of 10 parameter "
-                                 "tensors, first '0.weight': rank(s) [1] differ from the majority")
+    assert r["nudge rank 1"] == (
+        "GradientDesyncError",
+        "gradients differ between ranks in 1 of 10 parameter "
+        "tensors, first '0.weight': rank(s) [1] differ from the majority",
+    )
     assert r["swap last rank"][0] == "GradientDesyncError" and "'2.weight': rank(s) [2]" in r["swap last rank"][1]
     assert r["grad None everywhere"] == ("ok", 10)
     assert r["nan rank 0"][0] == "NonFiniteError" and "'2.bias'" in r["nan rank 0"][1]
@@ -156,19 +161,21 @@ def test_debugger_scenarios_on_three_ranks():
 
 
 def test_differing_keys_names_the_odd_key():
-    reports = [{"rank": "0", "pid": "11", "torch": "2.13.0", "NCCL_DEBUG": "<unset>"},
-               {"rank": "1", "pid": "12", "torch": "2.13.0", "NCCL_DEBUG": "INFO"}]
+    reports = [
+        {"rank": "0", "pid": "11", "torch": "2.13.0", "NCCL_DEBUG": "<unset>"},
+        {"rank": "1", "pid": "12", "torch": "2.13.0", "NCCL_DEBUG": "INFO"},
+    ]
     assert debugging.differing_keys(reports) == ["NCCL_DEBUG"]
     reports[1]["NCCL_DEBUG"] = "<unset>"
     assert debugging.differing_keys(reports) == []
 
 
-DETAIL_BODY = r'''
+DETAIL_BODY = r"""
 from datetime import timedelta
 group = dist.new_group(timeout=timedelta(seconds=20))
 x = torch.ones(5 if rank == 2 else 4)
 dist.all_reduce(x, group=group)
-'''
+"""
 
 
 def test_detail_names_each_ranks_collective_on_four_ranks():
@@ -183,10 +190,12 @@ def test_detail_names_each_ranks_collective_on_four_ranks():
 
 
 def test_mismatch_fingerprints_parses_shapes_and_ops():
-    message = ("Detected mismatch between collectives on ranks. Rank 1 is running collective: "
-               "CollectiveFingerPrint(SequenceNumber=7, OpType=BROADCAST, TensorShape=[2, 3], TensorDtypes=Float), "
-               "but Rank 0 is running collective: CollectiveFingerPrint(SequenceNumber=7, OpType=ALLREDUCE, "
-               "TensorShape=[], TensorDtypes=Float).")
+    message = (
+        "Detected mismatch between collectives on ranks. Rank 1 is running collective: "
+        "CollectiveFingerPrint(SequenceNumber=7, OpType=BROADCAST, TensorShape=[2, 3], TensorDtypes=Float), "
+        "but Rank 0 is running collective: CollectiveFingerPrint(SequenceNumber=7, OpType=ALLREDUCE, "
+        "TensorShape=[], TensorDtypes=Float)."
+    )
     assert debugging.mismatch_fingerprints(message) == [(1, 7, "BROADCAST", (2, 3)), (0, 7, "ALLREDUCE", ())]
 
 
@@ -208,8 +217,13 @@ def wrong_always_true(model):
 
 def wrong_plain_sum(model):
     import torch.distributed as dist
-    sums = torch.stack([p.grad.double().sum() if p.grad is not None else torch.zeros((), dtype=torch.float64)
-                        for p in model.parameters()])
+
+    sums = torch.stack(
+        [
+            p.grad.double().sum() if p.grad is not None else torch.zeros((), dtype=torch.float64)
+            for p in model.parameters()
+        ]
+    )
     high, low = sums.clone(), sums.clone()
     dist.all_reduce(high, op=dist.ReduceOp.MAX)
     dist.all_reduce(low, op=dist.ReduceOp.MIN)
@@ -218,11 +232,13 @@ def wrong_plain_sum(model):
 
 def wrong_max_only(model):
     import torch.distributed as dist
+
     from course_lib.debugging import gradient_checksums
+
     mine = gradient_checksums(model)
     high = mine.clone()
     dist.all_reduce(high, op=dist.ReduceOp.MAX)
-    return bool(torch.equal(high, mine))   # the rank holding the maximum believes all is well
+    return bool(torch.equal(high, mine))  # the rank holding the maximum believes all is well
 
 
 def gradients_in_sync(model):
@@ -231,6 +247,7 @@ def gradients_in_sync(model):
 
 def reference_in_sync(model):
     from course_lib.debugging import solution_gradients_in_sync
+
     return solution_gradients_in_sync(model)
 
 
@@ -244,11 +261,17 @@ def test_exercise_stub_is_not_attempted(capsys):
     assert "not attempted yet" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("wrong, expected", [
-    (wrong_always_true, "one gradient entry changed on rank 2: expected False on every rank, got True on rank "),
-    (wrong_plain_sum, "two entries of one gradient swapped on rank 1: expected False on every rank, got True on rank "),
-    (wrong_max_only, "one gradient entry changed on rank 2: expected False on every rank, got True on rank 2"),
-])
+@pytest.mark.parametrize(
+    "wrong, expected",
+    [
+        (wrong_always_true, "one gradient entry changed on rank 2: expected False on every rank, got True on rank "),
+        (
+            wrong_plain_sum,
+            "two entries of one gradient swapped on rank 1: expected False on every rank, got True on rank ",
+        ),
+        (wrong_max_only, "one gradient entry changed on rank 2: expected False on every rank, got True on rank 2"),
+    ],
+)
 def test_exercise_wrong_answers_fail_naming_the_rank(wrong, expected, capsys):
     assert check(wrong, "course_lib.debugging:check_gradients_in_sync", nproc=3, backend="gloo") is False
     said = capsys.readouterr().out

@@ -4,6 +4,7 @@ counts and per-rank bytes against the formulas, and the exercise checker.
 
 Each launch costs seconds, so one launch per world size carries every check for that size.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -15,7 +16,7 @@ from course_lib.launcher import launch
 
 QUIET = dict(write=lambda text, stream: None)
 
-EQUALITY_BODY = r'''
+EQUALITY_BODY = r"""
 import warnings
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.debug import CommDebugMode
@@ -104,7 +105,7 @@ for what, fn in wrong.items():
         wrong_failed[what] = False
     except ExerciseFailed:
         wrong_failed[what] = True
-'''
+"""
 
 
 @pytest.mark.parametrize("nproc", [2, 3, 4])
@@ -124,6 +125,7 @@ def test_exercise_check_names_the_rank(capsys):
     def shard_with_adam_state(param, exp_avg, exp_avg_sq):
         import torch
         import torch.distributed as dist
+
         return tuple(torch.tensor_split(t.reshape(-1), dist.get_world_size())[0] for t in (param, exp_avg, exp_avg_sq))
 
     assert check(shard_with_adam_state, "course_lib.fsdp:check_shard_with_adam_state", nproc=3, backend="gloo") is False
@@ -144,7 +146,7 @@ def test_collectives_formula():
     assert fsdp.collectives_per_step(3, 5) == {"reduce_scatter": 5, "all_gather": 10}
     assert fsdp.collectives_per_step(0, 2) == {"all_reduce": 2}
     with pytest.raises(ValueError):
-        fsdp.ZeroModel(torch.nn.Linear(2, 2), stage=4)   # checked before any sharding (no process group)
+        fsdp.ZeroModel(torch.nn.Linear(2, 2), stage=4)  # checked before any sharding (no process group)
 
 
 def test_batches_are_a_fixed_data_set():

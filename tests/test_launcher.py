@@ -1,4 +1,5 @@
 """The %%torchrun contract, on real gloo ranks: output, values, failures, timeouts, cleanup, bad input."""
+
 from __future__ import annotations
 
 import os
@@ -34,8 +35,11 @@ def processes_with(token: str) -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter(["pid"]):
         try:
-            if proc.pid != os.getpid() and proc.environ().get("COURSE_TEST_TOKEN") == token \
-                    and proc.status() != psutil.STATUS_ZOMBIE:
+            if (
+                proc.pid != os.getpid()
+                and proc.environ().get("COURSE_TEST_TOKEN") == token
+                and proc.status() != psutil.STATUS_ZOMBIE
+            ):
                 found.append(proc)
         except psutil.Error:
             continue
@@ -62,10 +66,12 @@ def test_output_grouped_in_rank_order_and_values_round_trip():
         info = {"rank": rank, "names": names}
     """)
     payload = torch.arange(5.0)
-    result = launch(body, 3, backend="gloo", push={"payload": payload, "names": ["a", "b"]},
-                    out=["doubled", "info"], write=out)
-    assert out.stdout.splitlines() == [f"[rank {r}] {text} {r}" for r in range(3)
-                                       for text in ("hello from", "line two")]
+    result = launch(
+        body, 3, backend="gloo", push={"payload": payload, "names": ["a", "b"]}, out=["doubled", "info"], write=out
+    )
+    assert out.stdout.splitlines() == [
+        f"[rank {r}] {text} {r}" for r in range(3) for text in ("hello from", "line two")
+    ]
     assert [d.tolist() for d in result.values["doubled"]] == [(payload * k).tolist() for k in (1, 2, 3)]
     assert result.values["info"] == [{"rank": r, "names": ["a", "b"]} for r in range(3)]
 
@@ -136,8 +142,9 @@ def test_no_process_survives(how):
         else:
             kernel.kill()
             kernel.wait(10)
-        assert wait_until(lambda: processes_with(token) == [], timeout=15), \
+        assert wait_until(lambda: processes_with(token) == [], timeout=15), (
             f"left behind: {[p.cmdline() for p in processes_with(token)]}"
+        )
     finally:
         kernel.kill()
         kernel.wait(10)
@@ -148,8 +155,11 @@ def test_two_runs_at_once_do_not_collide():
 
     def run(tag):
         try:
-            results.append(launch(f"t = torch.ones(3) * {tag}\ndist.all_reduce(t)\n", 2, backend="gloo",
-                                  out=["t"], write=Captured()))
+            results.append(
+                launch(
+                    f"t = torch.ones(3) * {tag}\ndist.all_reduce(t)\n", 2, backend="gloo", out=["t"], write=Captured()
+                )
+            )
         except Exception as exc:  # reported below
             errors.append(exc)
 
@@ -203,13 +213,27 @@ def test_saved_script_runs_under_plain_torchrun(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(launcher.standalone_script(body, backend="gloo", nproc=3))
     # --tee copies each rank's output line by line (plain pipes would interleave the ranks' writes)
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-                           "--tee", "3", str(script)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OMP_NUM_THREADS": "1",
-                               "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[${rank}] "})
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "3",
+            "--tee",
+            "3",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[${rank}] "},
+    )
     assert done.returncode == 0, done.stderr
-    assert sorted(line for line in done.stdout.splitlines() if "sum" in line) == \
-        [f"[{r}] sum 3 on rank {r}" for r in range(3)]
+    assert sorted(line for line in done.stdout.splitlines() if "sum" in line) == [
+        f"[{r}] sum 3 on rank {r}" for r in range(3)
+    ]
 
 
 # ---- bad input fails at once, before anything starts ------------------------
@@ -224,16 +248,19 @@ def shell():
     return ip
 
 
-@pytest.mark.parametrize("line, message", [
-    ("-n 0", "-n must be at least 1 rank"),
-    ("-n two", "-n must be a whole number"),
-    ("-n 2 --bogus", "unrecognized arguments: --bogus"),
-    ("-n 2 --backend mpi", "unknown backend 'mpi'"),
-    ("-n 2 --backend nccl", "this machine has none: use --backend gloo"),
-    ("-n 2 --push not_defined_anywhere", "--push names not_defined_anywhere, not defined in the notebook"),
-    ("-n 2 --out 1x", "'1x' is not one"),
-    ("-n 2 --timeout soon", "--timeout takes a number of seconds"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("-n 0", "-n must be at least 1 rank"),
+        ("-n two", "-n must be a whole number"),
+        ("-n 2 --bogus", "unrecognized arguments: --bogus"),
+        ("-n 2 --backend mpi", "unknown backend 'mpi'"),
+        ("-n 2 --backend nccl", "this machine has none: use --backend gloo"),
+        ("-n 2 --push not_defined_anywhere", "--push names not_defined_anywhere, not defined in the notebook"),
+        ("-n 2 --out 1x", "'1x' is not one"),
+        ("-n 2 --timeout soon", "--timeout takes a number of seconds"),
+    ],
+)
 def test_bad_input_is_refused_at_once(shell, line, message):
     if "nccl" in line and torch.cuda.is_available():
         pytest.skip("this machine has GPUs, so nccl is a valid request here")
@@ -252,7 +279,9 @@ def test_more_ranks_than_gpus_is_refused(monkeypatch):
 
 
 def test_out_naming_a_variable_a_rank_never_set(shell):
-    with pytest.raises(RankFailedError, match="rank 1 raised MissingOutError: --out names late, but this rank never set it"):
+    with pytest.raises(
+        RankFailedError, match="rank 1 raised MissingOutError: --out names late, but this rank never set it"
+    ):
         shell.run_cell_magic("torchrun", "-n 2 --backend gloo --out late", "if rank == 0:\n    late = 1\n")
 
 

@@ -1,5 +1,6 @@
 """course_lib.memory: the ZeRO calculator's formulas, the sharding arithmetic, and byte counting
 on a single-process model (the multi-rank counts are checked in test_fsdp.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,9 +11,9 @@ from course_lib.models import MLP
 
 
 def test_70b_on_64_gpus():
-    rows = memory.calculator_table(70e9, 64)            # mixed-precision Adam: 2 + 2 + 12 bytes
+    rows = memory.calculator_table(70e9, 64)  # mixed-precision Adam: 2 + 2 + 12 bytes
     assert rows[0]["total"] == pytest.approx(1120.0)
-    assert rows[3]["total"] == pytest.approx(17.5)       # 1120 / 64; "about 17.6" is within 1 %
+    assert rows[3]["total"] == pytest.approx(17.5)  # 1120 / 64; "about 17.6" is within 1 %
     assert rows[1]["total"] == pytest.approx(140 + 140 + 840 / 64)
     assert rows[2]["total"] == pytest.approx(140 + (140 + 840) / 64)
 
@@ -27,7 +28,7 @@ def test_stage_formulas(n):
     assert b[3]["total"] == pytest.approx((p + g + k) * psi / n)
     assert [x["total"] for x in b] == sorted((x["total"] for x in b), reverse=True)  # each stage saves more
     if n == 1:
-        assert all(x["total"] == b[0]["total"] for x in b)                           # nothing to shard
+        assert all(x["total"] == b[0]["total"] for x in b)  # nothing to shard
 
 
 def test_precisions():
@@ -43,7 +44,7 @@ def test_sharding_arithmetic(n):
     numels = [1485, 2070, 322]
     assert sum(memory.zero_numel(numels, n, r) for r in range(n)) == sum(numels)
     sizes = [memory.zero_numel(numels, n, r) for r in range(n)]
-    assert max(sizes) - min(sizes) <= len(numels)        # at most one element per unit apart
+    assert max(sizes) - min(sizes) <= len(numels)  # at most one element per unit apart
     for shape in [(45, 32), (7, 45), (7,), (3,)]:
         parts = [memory.fully_shard_numel(shape, n, r) for r in range(n)]
         assert sum(parts) == torch.Size(shape).numel()
@@ -58,5 +59,9 @@ def test_held_bytes_single_process():
     assert memory.held_bytes(model, opt) == {"params": 4 * psi, "grads": 0, "optimizer": 0, "total": 4 * psi}
     model(torch.randn(4, 32)).sum().backward()
     opt.step()
-    assert memory.held_bytes(model, opt) == {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi,
-                                             "total": 16 * psi}
+    assert memory.held_bytes(model, opt) == {
+        "params": 4 * psi,
+        "grads": 4 * psi,
+        "optimizer": 8 * psi,
+        "total": 16 * psi,
+    }

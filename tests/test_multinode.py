@@ -1,4 +1,5 @@
 """Two torchrun agents on this machine form one job of four ranks (c10d rendezvous on 127.0.0.1)."""
+
 from __future__ import annotations
 
 import re
@@ -22,8 +23,9 @@ def free_port() -> int:
 def test_two_agents_run_a_saved_cell_as_one_job(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(launcher.standalone_script(BODY, backend="gloo", nproc=2))
-    done = subprocess.run(["bash", str(ROOT / "launch" / "multinode_local.sh"), str(script)],
-                          capture_output=True, text=True, timeout=180)
+    done = subprocess.run(
+        ["bash", str(ROOT / "launch" / "multinode_local.sh"), str(script)], capture_output=True, text=True, timeout=180
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     lines = sorted(set(re.findall(r"rank (\d) of (\d): sum (\S+)", done.stdout)))
     assert lines == [(str(r), "4", "6") for r in range(4)], done.stdout
@@ -34,10 +36,20 @@ def test_magic_passes_multi_node_flags_through():
 
     def node():
         try:
-            results.append(launcher.launch(
-                BODY + "mine = (rank, t.item())\n", 2, backend="gloo", nnodes="2", rdzv_backend="c10d",
-                rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id="pass-through", out=["mine"],
-                write=lambda text, stream: None, timeout=120))
+            results.append(
+                launcher.launch(
+                    BODY + "mine = (rank, t.item())\n",
+                    2,
+                    backend="gloo",
+                    nnodes="2",
+                    rdzv_backend="c10d",
+                    rdzv_endpoint=f"127.0.0.1:{port}",
+                    rdzv_id="pass-through",
+                    out=["mine"],
+                    write=lambda text, stream: None,
+                    timeout=120,
+                )
+            )
         except Exception as exc:  # reported by the assertion below
             errors.append(exc)
 

@@ -3,6 +3,7 @@
 nbval (``pytest --nbval notebooks``, see the Makefile) separately re-executes the notebooks at
 their default parameters and compares with the stored outputs.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,11 +48,15 @@ def test_stored_notebook_is_clean(path):
 
 
 def test_runner_reports_failing_cell_and_rank(tmp_path, capsys):
-    nb = nbformat.v4.new_notebook(cells=[
-        nbformat.v4.new_code_cell("NPROC = 2", metadata={"tags": ["parameters"]}),
-        nbformat.v4.new_code_cell("%load_ext course_lib"),
-        nbformat.v4.new_code_cell("%%torchrun -n $NPROC --backend gloo\nif rank == 1:\n    raise KeyError('shard')\n"),
-    ])
+    nb = nbformat.v4.new_notebook(
+        cells=[
+            nbformat.v4.new_code_cell("NPROC = 2", metadata={"tags": ["parameters"]}),
+            nbformat.v4.new_code_cell("%load_ext course_lib"),
+            nbformat.v4.new_code_cell(
+                "%%torchrun -n $NPROC --backend gloo\nif rank == 1:\n    raise KeyError('shard')\n"
+            ),
+        ]
+    )
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     path = tmp_path / "99_failing.ipynb"
     nbformat.write(nb, path)

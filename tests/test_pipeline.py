@@ -1,4 +1,5 @@
 """course_lib.pipeline: schedules on paper, from-scratch pipelines on real gloo ranks, torch's schedules, the exercise."""
+
 import pytest
 import torch
 
@@ -16,7 +17,7 @@ QUIET = dict(write=lambda text, stream: None)
 @pytest.mark.parametrize("p", [2, 3, 4])
 def test_simulated_bubble_is_the_formula(schedule, p):
     v = 2 if schedule == "interleaved 1F1B" else 1
-    for m in ([p, 2 * p, 3 * p] if v == 2 else [1, 2, 3, 5, 8]):
+    for m in [p, 2 * p, 3 * p] if v == 2 else [1, 2, 3, 5, 8]:
         actions = pp.schedule_actions(schedule, p, m)
         pp.validate(actions, p * v, m)
         events = pp.simulate(actions, p * v, t_forward=1.0, t_backward=2.0)
@@ -38,8 +39,11 @@ def test_action_lists_match_torch_schedules():
     from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     def torch_actions(order):
-        return [(a.computation_type.value, a.microbatch_index, a.stage_index) for a in order
-                if a is not None and a.computation_type.value in ("F", "B")]
+        return [
+            (a.computation_type.value, a.microbatch_index, a.stage_index)
+            for a in order
+            if a is not None and a.computation_type.value in ("F", "B")
+        ]
 
     for p in (2, 3, 4):
         for m in (p, 2 * p, 2 * p + 1):
@@ -51,8 +55,13 @@ def test_action_lists_match_torch_schedules():
                     assert torch_actions(one_f_one_b[r]) == [tuple(a) for a in pp.one_f_one_b_actions(r, p, m)]
             if m % p == 0:
                 rounds = m // p
-                state = SimpleNamespace(n_local_stages=2, pp_group_size=p, microbatches_per_round=m // rounds,
-                                        number_of_rounds=rounds, _n_microbatches=m)
+                state = SimpleNamespace(
+                    n_local_stages=2,
+                    pp_group_size=p,
+                    microbatches_per_round=m // rounds,
+                    number_of_rounds=rounds,
+                    _n_microbatches=m,
+                )
                 for r in range(p):
                     ops = ScheduleInterleaved1F1B._calculate_single_rank_operations(state, r)
                     assert torch_actions(ops) == [tuple(a) for a in pp.interleaved_actions(r, p, 2, m)], (p, m, r)
@@ -60,9 +69,11 @@ def test_action_lists_match_torch_schedules():
 
 def test_simulate_reports_deadlock_with_the_waiting_ranks():
     # stage 0 waits for B0 before sending F1; stage 1 needs F1 before its B0: a cycle
-    actions = {0: [pp.Action("F", 0, 0), pp.Action("B", 0, 0), pp.Action("F", 1, 0), pp.Action("B", 1, 0)],
-               1: [pp.Action("F", 0, 1), pp.Action("F", 1, 1), pp.Action("B", 0, 1), pp.Action("B", 1, 1)],
-               2: pp.one_f_one_b_actions(2, 3, 2)}
+    actions = {
+        0: [pp.Action("F", 0, 0), pp.Action("B", 0, 0), pp.Action("F", 1, 0), pp.Action("B", 1, 0)],
+        1: [pp.Action("F", 0, 1), pp.Action("F", 1, 1), pp.Action("B", 0, 1), pp.Action("B", 1, 1)],
+        2: pp.one_f_one_b_actions(2, 3, 2),
+    }
     with pytest.raises(pp.Deadlock) as caught:
         pp.simulate(actions, 3)
     assert set(caught.value.waiting) == {0, 1, 2}  # rank 2 waits downstream of the cycle
@@ -151,7 +162,9 @@ for m in (1, 8):
 @pytest.fixture(scope="module")
 def four_rank_run():
     body = "pair = dist.new_group([0, 1])\n" + EQUALITY_BODY
-    return launch(body, 4, backend="gloo", timeout=240, out=["report", "naive", "bubbles", "side_group_error"], **QUIET).values
+    return launch(
+        body, 4, backend="gloo", timeout=240, out=["report", "naive", "bubbles", "side_group_error"], **QUIET
+    ).values
 
 
 def test_from_scratch_equals_single_process_and_torch(four_rank_run):
@@ -199,7 +212,7 @@ def test_measured_bubble_shrinks_with_microbatches(four_rank_run):
 
 # ---- the exercise --------------------------------------------------------------------------
 
-CHECKER_BODY = '''
+CHECKER_BODY = """
 from course_lib.exercises import ExerciseFailed
 from course_lib import pipeline as pp
 
@@ -230,7 +243,7 @@ for fn in (reference, gpipe_order, warmup_reversed, forgets_last_backward, backw
     except ExerciseFailed as error:
         outcome[fn.__name__] = str(error)
     dist.barrier()
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -242,13 +255,16 @@ def test_checker_accepts_the_reference(checker_outcomes):
     assert all(o["reference"] is None for o in checker_outcomes)
 
 
-@pytest.mark.parametrize("name, rank, words", [
-    ("gpipe_order", 2, "action 1 should be B0"),
-    ("warmup_reversed", 0, "deadlock"),
-    ("forgets_last_backward", 0, "missing B"),
-    ("backward_first", 2, "B0 comes before F0"),
-    ("strings", 0, "is not a"),
-])
+@pytest.mark.parametrize(
+    "name, rank, words",
+    [
+        ("gpipe_order", 2, "action 1 should be B0"),
+        ("warmup_reversed", 0, "deadlock"),
+        ("forgets_last_backward", 0, "missing B"),
+        ("backward_first", 2, "B0 comes before F0"),
+        ("strings", 0, "is not a"),
+    ],
+)
 def test_checker_rejects_wrong_answers_on_the_right_rank(checker_outcomes, name, rank, words):
     messages = {r: o[name] for r, o in enumerate(checker_outcomes) if o[name] is not None}
     assert list(messages) == [rank], messages  # exactly the rank of the first faulty stage complains

@@ -2,6 +2,7 @@
 N real gloo ranks (FSDP2-sharded gradients, an overflow on one rank only), the exercise checker, and the
 number-format helpers. Each multi-rank test is one launch (a few seconds of start-up), so checks share a body.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,6 +21,7 @@ QUIET = dict(write=lambda text, stream: None)
 # ------------------------------------------------------------------------------------------------
 # one process
 # ------------------------------------------------------------------------------------------------
+
 
 def test_number_formats():
     rows = {r["dtype"]: r for r in precision.finfo_table()}
@@ -55,7 +57,7 @@ def _scale_update_reference(flags, init_scale, growth_interval):
     return trajectory
 
 
-@pytest.mark.parametrize("init_scale", [2.0**16, 2.0**126])   # the second grows into fp32's limit: no inf
+@pytest.mark.parametrize("init_scale", [2.0**16, 2.0**126])  # the second grows into fp32's limit: no inf
 def test_update_rule_equals_torch_kernel(init_scale):
     flags = [1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0]
     scaler = precision.DynamicLossScaler(init_scale=init_scale, growth_interval=3)
@@ -77,13 +79,13 @@ def _train(scaler, max_norm=1.0):
 
 
 def test_scaler_equals_gradscaler_single_process_with_overflows_and_clipping():
-    settings = dict(init_scale=2.0**24, growth_interval=2)    # far too large: the first steps overflow by themselves
+    settings = dict(init_scale=2.0**24, growth_interval=2)  # far too large: the first steps overflow by themselves
     theirs, their_params = _train(torch.amp.GradScaler("cpu", **settings))
     mine, my_params = _train(precision.DynamicLossScaler(**settings))
     assert mine == theirs
     assert all(torch.equal(a, b) for a, b in zip(my_params, their_params))
     assert theirs["skipped"][0] == 0 and 7 in theirs["skipped"] and len(theirs["skipped"]) >= 4
-    assert len(set(theirs["scales"])) >= 4                     # backed off and grew again
+    assert len(set(theirs["scales"])) >= 4  # backed off and grew again
 
 
 def test_scaler_api_misuse_raises():
@@ -104,8 +106,9 @@ def test_hand_managed_scale_stalls_and_the_right_way_learns():
     trainer = precision.MixedPrecisionTrainer(model, torch.optim.SGD(model.parameters(), lr=0.5))
     hand = [trainer.train_step(x, y) for x, y in batches]
     model = MLP(n_layers=2)
-    right = precision.amp_training_loop(model, torch.optim.SGD(model.parameters(), lr=0.5), torch.amp.GradScaler("cpu"),
-                                        batches, max_norm=1.0)["losses"]
+    right = precision.amp_training_loop(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), torch.amp.GradScaler("cpu"), batches, max_norm=1.0
+    )["losses"]
     assert hand[0] == right[0]
     assert hand[-1] > 1.5 * right[-1] and right[-1] < 0.7 * right[0]
 
@@ -121,7 +124,7 @@ def test_saved_activation_bytes_halve_in_bf16():
 # N ranks
 # ------------------------------------------------------------------------------------------------
 
-RANKS_BODY = r'''
+RANKS_BODY = r"""
 from torch.distributed.fsdp import fully_shard
 from course_lib import precision
 from course_lib.exercises import ExerciseFailed
@@ -179,13 +182,14 @@ for candidate in (precision.solution_found_inf, precision.found_inf_across_ranks
         verdicts[candidate.__name__] = "passed"
     except ExerciseFailed as failure:
         verdicts[candidate.__name__] = str(failure)
-'''
+"""
 
 
 @pytest.mark.parametrize("nproc", [2, 3, 4])
 def test_scaler_equals_gradscaler_on_sharded_ranks(nproc):
-    run = launch(RANKS_BODY, nproc, backend="gloo", out=["scales", "skipped", "params_equal", "policy", "verdicts"],
-                 **QUIET)
+    run = launch(
+        RANKS_BODY, nproc, backend="gloo", out=["scales", "skipped", "params_equal", "policy", "verdicts"], **QUIET
+    )
     values = run.values
     for rank in range(nproc):
         scales, skipped = values["scales"][rank], values["skipped"][rank]
@@ -193,7 +197,7 @@ def test_scaler_equals_gradscaler_on_sharded_ranks(nproc):
         assert skipped["mine"] == skipped["torch"], f"rank {rank}: skipped steps differ"
         assert values["params_equal"][rank], f"rank {rank}: final parameters differ"
         assert scales["torch"] == values["scales"][0]["torch"] and skipped["torch"] == values["skipped"][0]["torch"]
-        assert {0, 10, 12} <= set(skipped["torch"]), skipped["torch"]   # natural overflow, then the two poisoned steps
+        assert {0, 10, 12} <= set(skipped["torch"]), skipped["torch"]  # natural overflow, then the two poisoned steps
         assert len(set(scales["torch"])) >= 4
         policy = values["policy"][rank]
         assert policy["all_gather input"] == ["bf16"] and policy["reduce_scatter input"] == ["fp32"]
@@ -207,8 +211,10 @@ def test_scaler_equals_gradscaler_on_sharded_ranks(nproc):
     assert verdicts["summed"].startswith(f"case '-inf on every rank': expected 1.0, got {float(nproc)}")
     assert verdicts["misses_nan"].startswith("case 'nan on rank 0 only'")
     # only the last rank's gradients were non-finite in the first bad case, so only it sees them changed
-    assert values["verdicts"][nproc - 1]["cleans_gradients"] == \
-        f"case 'inf on rank {nproc - 1} only': the check changed the gradients; it should only read them"
+    assert (
+        values["verdicts"][nproc - 1]["cleans_gradients"]
+        == f"case 'inf on rank {nproc - 1} only': the check changed the gradients; it should only read them"
+    )
 
 
 # exercise candidates for check(): top level, so check() can send their source to the ranks
@@ -230,5 +236,7 @@ def test_exercise_check_names_the_rank(capsys):
     assert "found_inf_stub: not attempted yet" in out
     assert "✓ solution_found_inf: correct on 3 ranks" in out
     # ranks 0 and 1 hold finite gradients in the one-rank case, so one of them reports the failure
-    assert "✗ found_inf_local_only: rank 0: case 'inf on rank 2 only': expected 1.0, got 0.0" in out or \
-           "✗ found_inf_local_only: rank 1: case 'inf on rank 2 only': expected 1.0, got 0.0" in out
+    assert (
+        "✗ found_inf_local_only: rank 0: case 'inf on rank 2 only': expected 1.0, got 0.0" in out
+        or "✗ found_inf_local_only: rank 1: case 'inf on rank 2 only': expected 1.0, got 0.0" in out
+    )

@@ -1,5 +1,6 @@
 """course_lib.rpc: the parameter server against data-parallel training, error cases, distributed autograd,
 the exercise checker. Real gloo/TensorPipe runs on 2-4 processes."""
+
 import warnings
 
 import pytest
@@ -39,8 +40,10 @@ def test_only_torchs_backend_notice_is_recognised():
     def record(message, category=UserWarning, filename="/x/torch/distributed/distributed_c10d.py"):
         return warnings.WarningMessage(message, category, filename, 1)
 
-    notice = ("You are using a Backend <class 'torch.distributed.distributed_c10d.ProcessGroupGloo'> as a "
-              "ProcessGroup. This usage is deprecated since PyTorch 2.0.")
+    notice = (
+        "You are using a Backend <class 'torch.distributed.distributed_c10d.ProcessGroupGloo'> as a "
+        "ProcessGroup. This usage is deprecated since PyTorch 2.0."
+    )
     assert rpc_lib._is_torch_internal_backend_notice(record(notice))
     assert not rpc_lib._is_torch_internal_backend_notice(record(notice, category=FutureWarning))
     assert not rpc_lib._is_torch_internal_backend_notice(record(notice, filename="/x/my_code.py"))
@@ -214,10 +217,13 @@ def test_counter_checker_accepts_the_reference(capsys):
     assert "correct on 3 ranks" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("wrong, says", [
-    (add_without_lock, "total expected 8, got"),
-    (add_returning_amount, "each call must return the total"),
-])
+@pytest.mark.parametrize(
+    "wrong, says",
+    [
+        (add_without_lock, "total expected 8, got"),
+        (add_returning_amount, "each call must return the total"),
+    ],
+)
 def test_counter_checker_rejects_wrong_answers(wrong, says, capsys):
     assert check(wrong, "course_lib.rpc:check_counter", nproc=2, backend="gloo") is False
     out = capsys.readouterr().out

@@ -1,4 +1,5 @@
 """course_lib.tensor_parallel: from-scratch layers against the unsharded block and parallelize_module, the exercise."""
+
 import pytest
 
 from course_lib import tensor_parallel as tp
@@ -8,7 +9,7 @@ from course_lib.launcher import launch
 QUIET = dict(write=lambda text, stream: None)
 
 # One launch per world size: from scratch vs unsharded vs parallelize_module (TP and TP+SP), collective counts.
-AGAINST_TORCH = r'''
+AGAINST_TORCH = r"""
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 from course_lib import tensor_parallel as tp
@@ -65,7 +66,7 @@ for seed, shape in ((1, (2, 12, 48)), (2, (3, 24, 48))):
         sp_fwd=counts(sp_fwd), sp_bwd=counts(sp_bwd),
         params=(tp.param_bytes_per_rank(mine), tp.param_bytes_per_rank(theirs), tp.param_bytes_per_rank(full)),
     ))
-'''
+"""
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
@@ -88,7 +89,7 @@ def test_sizes_that_do_not_divide_fail_clearly():
     with pytest.raises(ValueError, match=r"12 does not split evenly over 5 ranks.*\[1, 2, 3, 4, 6, 12\]"):
         tp.shard_size(12, 5, "attention heads")
     assert tp.shard_size(192, 4, "hidden") == 48
-    body = r'''
+    body = r"""
 from course_lib import tensor_parallel as tp
 from course_lib.models import TransformerBlock
 messages = []
@@ -97,7 +98,7 @@ for kwargs in (dict(d_model=48, n_heads=3, d_ff=192), dict(d_model=48, n_heads=1
         tp.ParallelTransformerBlock(TransformerBlock(**kwargs))
     except ValueError as error:
         messages.append(str(error))
-'''
+"""
     run = launch(body, 2, backend="gloo", out=["messages"], **QUIET)
     heads, hidden = run.values["messages"][0]
     assert "attention heads: 3 does not split evenly over 2 ranks" in heads and "[1, 3]" in heads
@@ -111,15 +112,17 @@ def wrong_passthrough(grad_slice):
 def wrong_pad_own_slice(grad_slice):
     import torch
     import torch.distributed as dist
+
     n, r = dist.get_world_size(), dist.get_rank()
     out = torch.zeros(*grad_slice.shape[:-1], grad_slice.shape[-1] * n)
-    out[..., r * grad_slice.shape[-1]:(r + 1) * grad_slice.shape[-1]] = grad_slice  # other ranks' parts missing
+    out[..., r * grad_slice.shape[-1] : (r + 1) * grad_slice.shape[-1]] = grad_slice  # other ranks' parts missing
     return out
 
 
 def wrong_reversed_order(grad_slice):
     import torch
     import torch.distributed as dist
+
     parts = [torch.empty_like(grad_slice) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, grad_slice.contiguous())
     return torch.cat(parts[::-1], dim=-1)
@@ -134,8 +137,11 @@ def test_exercise_checker(capsys):
     assert check(stub_split_backward, checker, nproc=2, backend="gloo") is None
     assert "not attempted yet" in capsys.readouterr().out
     assert check(tp.split_backward, checker, nproc=3, backend="gloo") is True  # the library's reference
-    for wrong, says in ((wrong_passthrough, "whole input's shape"), (wrong_pad_own_slice, "expected"),
-                        (wrong_reversed_order, "is computed on rank")):
+    for wrong, says in (
+        (wrong_passthrough, "whole input's shape"),
+        (wrong_pad_own_slice, "expected"),
+        (wrong_reversed_order, "is computed on rank"),
+    ):
         assert check(wrong, checker, nproc=2, backend="gloo") is False, wrong.__name__
         out = capsys.readouterr().out
         assert "rank " in out and says in out, out
