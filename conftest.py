@@ -1,4 +1,5 @@
 """Shared test set-up: headless notebooks, and nbval compares stdout/results but not stderr."""
+
 import os
 
 os.environ["COURSE_HEADLESS"] = "1"  # explorers draw their default view (course_lib.viz)

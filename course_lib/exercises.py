@@ -61,7 +61,9 @@ def expect_equal(what: str, got: Any, expected: Any, *, atol: float = 1e-6, rtol
 def is_stub(fn: Callable) -> bool:
     """True while the body is only a docstring, `pass`, `...` or `raise NotImplementedError`."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    body = tree.body[0].body
+    definition = tree.body[0]
+    assert isinstance(definition, (ast.FunctionDef, ast.AsyncFunctionDef)), "is_stub takes a function"
+    body = definition.body
     for node in body:
         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
             continue  # docstring or ...

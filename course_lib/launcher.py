@@ -15,6 +15,7 @@ the notebook even under nbval, where ipykernel ignores child-process output.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import keyword
 import os
@@ -185,20 +186,16 @@ def _alive_workers(run_dir: Path) -> list[int]:
 
 
 def _kill_group(pgid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def end_run(proc: subprocess.Popen, run_dir: Path, grace_s: float = 3.0) -> None:
     """End the agent and every worker of one run; return when none is left."""
     if proc.poll() is None:
         _kill_group(proc.pid, signal.SIGTERM)  # the agent stops its workers on SIGTERM
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            pass
     _kill_group(proc.pid, signal.SIGKILL)
     # Workers run in sessions of their own (pgid == pid): their groups include their children.
     for pid in _recorded_worker_pids(run_dir):
@@ -283,6 +280,7 @@ def _read_attempt(attempt_dir: Path, run_dir: Path, nproc: int, node_rank: int) 
     index = int(attempt_dir.name.split("_")[1])
     attempt = Attempt(index)
     cell_file = str(run_dir / "cell.py")
+    stamped: list[tuple[int, RankFailure]] = []
     for local in range(nproc):
         mapping = run_dir / "ranks" / f"attempt_{index}" / f"local_{local}"
         rank = int(mapping.read_text()) if mapping.exists() else node_rank * nproc + local
@@ -292,13 +290,13 @@ def _read_attempt(attempt_dir: Path, run_dir: Path, nproc: int, node_rank: int) 
             if log.exists():
                 text = _clean(log.read_text(errors="replace"), cell_file)
                 # Python's own "[rankN]: Traceback" echo duplicates the error file: drop it.
-                store[rank] = "\n".join(l for l in text.splitlines() if not _STREAM_PREFIX.match(l))
+                store[rank] = "\n".join(line for line in text.splitlines() if not _STREAM_PREFIX.match(line))
         error_file = rank_dir / "error.json"
         if error_file.exists():
             failure = _failure_from_error_file(rank, error_file, cell_file)
-            attempt.failures.append((error_file.stat().st_mtime_ns, failure))
+            stamped.append((error_file.stat().st_mtime_ns, failure))
     # Earliest error first: the root cause, before the ranks that lost a peer because of it.
-    attempt.failures = [f for _, f in sorted(attempt.failures, key=lambda item: item[0])]
+    attempt.failures = [f for _, f in sorted(stamped, key=lambda item: item[0])]
     return attempt
 
 
@@ -328,7 +326,7 @@ def _describe(failures: list[RankFailure], cell_source: list[str]) -> str:
 
 def _emit_default(write: Callable[[str, str], None], attempts: list[Attempt]) -> None:
     """Rank output grouped by rank, in rank order: one block for stdout, one for stderr."""
-    blocks = {"stdout": [], "stderr": []}
+    blocks: dict[str, list[str]] = {"stdout": [], "stderr": []}
     for attempt in attempts:
         if len(attempts) > 1:
             blocks["stdout"].append(f"--- attempt {attempt.index} ---\n")
@@ -540,7 +538,7 @@ def _pump(proc, deadline, stream, write, agent_log) -> bool:
             if remaining <= 0:
                 return True
             for key, _ in selector.select(min(remaining, 0.5)):
-                chunk = os.read(key.fileobj.fileno(), 65536)
+                chunk = os.read(key.fd, 65536)
                 if not chunk:
                     selector.unregister(key.fileobj)
                     continue

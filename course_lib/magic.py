@@ -75,16 +75,18 @@ class TorchrunMagics(Magics):
         With the default init, the body sees `torch`, `dist`, `rank`, `world_size`,
         `local_rank` and `device`, and the process group is destroyed after it.
         """
+        shell = self.shell
+        assert shell is not None, "the magic is registered by load_ext, which sets the shell"
         args = _parser().parse_args(shlex.split(line))
         nproc = launcher.check_nproc(args.nproc)
         out = launcher.check_names(args.out.split(","), "--out")
         push_names = launcher.check_names(args.push.split(","), "--push")
-        undefined = [n for n in push_names if n not in self.shell.user_ns]
+        undefined = [n for n in push_names if n not in shell.user_ns]
         if undefined:
             raise launcher.LaunchError(
                 f"--push names {', '.join(undefined)}, not defined in the notebook: run the cell that defines it first"
             )
-        push = {n: self.shell.user_ns[n] for n in push_names}
+        push = {n: shell.user_ns[n] for n in push_names}
         if args.save:
             launcher.resolve_backend(args.backend, nproc)  # refuse impossible requests before writing
             Path(args.save).write_text(
@@ -106,5 +108,5 @@ class TorchrunMagics(Magics):
             rdzv_backend=args.rdzv_backend,
             rdzv_id=args.rdzv_id,
         )
-        self.shell.user_ns.update(result.values)
-        self.shell.user_ns["_torchrun"] = result
+        shell.user_ns.update(result.values)
+        shell.user_ns["_torchrun"] = result

@@ -1,7 +1,7 @@
 """A notebook's first cells check its parameters, so a value that cannot work fails at once.
 
-    NPROC = params.check(NPROC, BACKEND, works=lambda n: 8 % n == 0,
-                         why="the pipeline cuts 8 layers into NPROC stages, so NPROC must divide 8")
+NPROC = params.check(NPROC, BACKEND, works=lambda n: 8 % n == 0,
+                     why="the pipeline cuts 8 layers into NPROC stages, so NPROC must divide 8")
 """
 
 from __future__ import annotations

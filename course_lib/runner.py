@@ -81,6 +81,21 @@ def strip_run_metadata(nb) -> None:
         cell.metadata.pop("execution", None)
 
 
+def ipc_kernel_manager() -> type:
+    """A kernel manager whose kernel talks over Unix sockets instead of loopback TCP.
+
+    ipykernel warns "Kernel is running over TCP without encryption" for a TCP kernel without CurveZMQ
+    keys: anyone on the machine could connect to its ports. IPC sockets live in Jupyter's runtime
+    directory (mode 0700), so only this user reaches the kernel, and the warning has no cause left.
+    """
+    from jupyter_client import AsyncKernelManager
+
+    class IPCKernelManager(AsyncKernelManager):
+        transport = "ipc"
+
+    return IPCKernelManager
+
+
 def run_notebook(path: Path, output: Path, parameters: dict, timeout: float, progress: bool) -> Outcome:
     import papermill as pm
 
@@ -94,6 +109,7 @@ def run_notebook(path: Path, output: Path, parameters: dict, timeout: float, pro
             kernel_name="python3",
             progress_bar=progress,
             execution_timeout=timeout,
+            kernel_manager_class=ipc_kernel_manager(),  # passed on to nbclient's NotebookClient
         )
     except pm.PapermillExecutionError as error:
         return Outcome(path.stem, False, time.monotonic() - start, describe_failure(output, error))

@@ -11,6 +11,7 @@ import os
 import random
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,7 +42,7 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0, seed: int 
     """
     backend = pick_backend(backend)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if backend == "nccl":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)

@@ -178,7 +178,7 @@ def test_stream_prefixes_lines_live():
     lines = out.stdout.splitlines()
     assert sorted(lines) == sorted(f"[rank {r}] step {i}" for r in range(2) for i in range(3))
     for r in range(2):  # each rank's own lines stay in order
-        assert [l for l in lines if l.startswith(f"[rank {r}]")] == [f"[rank {r}] step {i}" for i in range(3)]
+        assert [line for line in lines if line.startswith(f"[rank {r}]")] == [f"[rank {r}] step {i}" for i in range(3)]
 
 
 def test_max_restarts_restarts_the_group_after_a_real_process_death():

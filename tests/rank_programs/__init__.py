@@ -16,7 +16,9 @@ def quiet(text: str, stream: str) -> None:
     """A launcher `write` that drops rank output (the tests look at returned values)."""
 
 
-def run(program: Callable[..., dict], nproc: int, *, kwargs: dict[str, Any] | None = None, **launch_options: Any) -> list[dict]:
+def run(
+    program: Callable[..., dict], nproc: int, *, kwargs: dict[str, Any] | None = None, **launch_options: Any
+) -> list[dict]:
     """Run `program(rank, world_size, **kwargs)` on `nproc` ranks; the per-rank results, by rank."""
     body = (
         f"from {program.__module__} import {program.__name__}\n"
