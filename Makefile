@@ -1,11 +1,16 @@
 # `make course` runs every notebook; `make test` runs the test suite.
-# Both create .venv on first use (torch==2.13.0 pinned in pyproject.toml).
+# Every target creates .venv on first use (torch==2.13.0 pinned in pyproject.toml).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# nbval: re-execute notebooks/ at their default parameters and compare with the stored outputs.
+# A cell over --nbval-cell-timeout is interrupted and fails naming the cell, before pytest-timeout
+# (300 s per test, pyproject.toml) would stop the whole item with a traceback.
+NBVAL := --nbval --nbval-current-env --nbval-cell-timeout 270 --nbval-sanitize-with tests/nbval_sanitize.cfg
+LINTED := course_lib tests benchmarks notebooks conftest.py
 
-.PHONY: course test lab outputs benchmark clean
+.PHONY: course test test-ranks lint lab outputs benchmark clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -13,21 +18,28 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-course: $(STAMP)   ## execute every notebook into build/course/ and print a summary table
+course: $(STAMP)      ## execute every notebook into build/course/ and print a summary table
 	$(PY) -m course_lib.runner --out build/course $(ARGS)
 
-test: $(STAMP)     ## unit tests of course_lib, nbval over notebooks/, papermill with NPROC=3
-	$(PY) -m pytest tests notebooks --nbval --nbval-current-env --nbval-cell-timeout 600 \
-		--nbval-sanitize-with tests/nbval_sanitize.cfg $(ARGS)
+test: $(STAMP)        ## unit tests of course_lib, and nbval: every notebook once, at its default parameters
+	$(PY) -m pytest tests notebooks $(NBVAL) -m "not notebook" $(ARGS)
 
-lab: $(STAMP)      ## JupyterLab on notebooks/ in the course environment
-	$(VENV)/bin/jupyter lab --notebook-dir=notebooks
+test-ranks: $(STAMP)  ## every notebook under papermill with NPROC=3: its own assertions hold at another world size
+	$(PY) -m pytest -m notebook tests/test_notebooks.py $(ARGS)
 
-outputs: $(STAMP)  ## re-execute notebooks in place: the stored outputs nbval compares against
+lint: $(STAMP)        ## ruff (lint and format) over code, tests, benchmarks and notebooks; mypy over course_lib
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
+	$(VENV)/bin/mypy course_lib
+
+lab: $(STAMP)         ## JupyterLab on notebooks/ in the course environment (as root too: GPU containers)
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $$(test "$$(id -u)" = 0 && echo --allow-root) $(ARGS)
+
+outputs: $(STAMP)     ## re-execute notebooks in place: the stored outputs nbval compares against
 	$(PY) -m course_lib.runner --inplace $(ARGS)
 
-benchmark: $(STAMP)
-	$(PY) benchmarks/launcher_overhead.py
+benchmark: $(STAMP)   ## every script in benchmarks/, one table: figure, goal, measured
+	$(PY) benchmarks/run_all.py $(ARGS)
 
 clean:
 	rm -rf build .pytest_cache
