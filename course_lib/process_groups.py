@@ -51,7 +51,7 @@ def solution_rank_sum() -> int:
 
 
 def solution_gather_ranks() -> list[int]:
-    out = [None] * dist.get_world_size()
+    out: list = [None] * dist.get_world_size()
     dist.all_gather_object(out, dist.get_rank())
     return out
 
