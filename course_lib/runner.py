@@ -17,6 +17,7 @@ import re
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,9 +90,19 @@ def ipc_kernel_manager() -> type:
     directory (mode 0700), so only this user reaches the kernel, and the warning has no cause left.
     """
     from jupyter_client import AsyncKernelManager
+    from jupyter_core.paths import jupyter_runtime_dir
+    from jupyter_core.utils import ensure_dir_exists
+    from traitlets import default
 
     class IPCKernelManager(AsyncKernelManager):
         transport = "ipc"
+
+        @default("ip")
+        def _absolute_ipc_path(self) -> str:
+            # jupyter_client's default can be the relative "kernel-ipc", which the kernel resolves in
+            # the notebook's directory and the client in ours: an absolute path is the same for both.
+            ensure_dir_exists(jupyter_runtime_dir(), 0o700)
+            return os.path.join(jupyter_runtime_dir(), f"kernel-{uuid.uuid4()}-ipc")
 
     return IPCKernelManager
 

@@ -1,19 +1,25 @@
-"""Every notebook under papermill with NPROC=3 (its own assertions must hold), and the runner's report.
+"""The notebooks: stored outputs clean, parameters checked at once, NPROC=3 under papermill, the runner's report.
 
-nbval (``pytest --nbval notebooks``, see the Makefile) separately re-executes the notebooks at
-their default parameters and compares with the stored outputs.
+nbval (``make test``, see the Makefile) separately re-executes the notebooks at their default
+parameters and compares with the stored outputs. The papermill runs with NPROC=3 are marked
+`notebook` and run with ``make test-ranks``.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import time
 
 import nbformat
 import pytest
+import torch
 
-from course_lib import runner
+from course_lib import params, runner
 
 NOTEBOOKS = runner.find_notebooks([])
+CHECK_WITHIN = 3  # params.check( must be in one of a notebook's first code cells
+REFUSAL_S = 5.0  # a warm kernel refuses a bad NPROC in this many seconds at most
 
 
 def outputs_text(nb) -> list[str]:
@@ -29,6 +35,8 @@ def outputs_text(nb) -> list[str]:
 def test_notebook_runs_with_three_ranks(path, tmp_path):
     assert runner.main([str(path), "-p", "NPROC", "3", "--out", str(tmp_path), "--no-progress"]) == 0
     executed = nbformat.read(tmp_path / path.name, as_version=4)
+    injected = [c.source for c in executed.cells if "injected-parameters" in c.metadata.get("tags", [])]
+    assert injected and "NPROC = 3" in injected[0], "papermill did not inject NPROC = 3"
     warnings = [t for t in outputs_text(executed) if "Warning" in t or "deprecated" in t]
     assert warnings == [], f"outputs carry warnings: {warnings[:3]}"
 
@@ -65,3 +73,102 @@ def test_runner_reports_failing_cell_and_rank(tmp_path, capsys):
     assert "99_failing  FAILED" in table
     assert "cell 3, rank 1: RankFailedError" in table
     assert "0 passed, 1 failed" in table
+
+
+# ---- every notebook refuses a bad NPROC in its first cells, at once ---------------------------
+
+
+def setup_cells(nb) -> tuple[str, list[str]]:
+    """(the parameters cell, the code cells after it up to the first `params.check(` call)."""
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    first = next(i for i, c in enumerate(code) if "parameters" in c.metadata.get("tags", []))
+    check = next((i for i, c in enumerate(code[:CHECK_WITHIN]) if "params.check(" in c.source), None)
+    assert check is not None and check > first, (
+        f"none of the first {CHECK_WITHIN} code cells calls params.check(NPROC, BACKEND, ...) after the parameters"
+    )
+    return code[first].source, [c.source for c in code[first + 1 : check + 1]]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_parameters_are_checked_in_the_first_cells(path):
+    setup_cells(nbformat.read(path, as_version=4))
+
+
+class Kernel:
+    """One IPython kernel (as nbval and papermill start it, over IPC sockets) that runs code and reports errors."""
+
+    def __init__(self, cwd, env, ipc_path):
+        from jupyter_client import KernelManager
+
+        self.km = KernelManager(kernel_name="python3", transport="ipc", ip=str(ipc_path))
+        self.km.start_kernel(cwd=str(cwd), env=env)
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=120)
+
+    def run(self, code: str) -> tuple[str, str, float]:
+        """(exception name or "", its message, seconds) for one cell."""
+        start = time.monotonic()
+        reply = self.kc.execute_interactive(code, timeout=120, output_hook=lambda msg: None)
+        content = reply["content"]
+        seconds = time.monotonic() - start
+        if content["status"] == "ok":
+            return "", "", seconds
+        return content.get("ename", "?"), content.get("evalue", ""), seconds
+
+    def close(self):
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=True)
+
+
+@pytest.fixture
+def kernel(tmp_path):
+    env = {**os.environ, "COURSE_HEADLESS": "1", "TMPDIR": str(tmp_path)}  # temp dirs the cells make go here
+    env.pop("PYTEST_CURRENT_TEST", None)
+    k = Kernel(runner.NOTEBOOKS, env, tmp_path / "kernel-ipc")
+    yield k
+    k.close()
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_every_nproc_from_1_to_8_runs_or_is_refused_at_once(path, kernel):
+    """The setup cells either accept NPROC or raise ParameterError naming the values that work, in seconds."""
+    parameters, cells = setup_cells(nbformat.read(path, as_version=4))
+
+    def setup(nproc=None, backend=None) -> tuple[str, str, float]:
+        """Run the parameters cell, papermill's injection of the values given, and the setup cells."""
+        injected = "".join(f"\n{k} = {v!r}" for k, v in (("NPROC", nproc), ("BACKEND", backend)) if v is not None)
+        name, message, seconds = kernel.run(parameters + injected)
+        assert name == "", f"the parameters cell raised {name}: {message}"
+        for source in cells:
+            name, message, cell_seconds = kernel.run(source)
+            seconds += cell_seconds
+            if name:
+                break
+        return name, message, seconds
+
+    name, message, _ = setup()  # the notebook's own parameters first: they work, and imports are warm after
+    assert name == "", f"the notebook's default parameters fail: {name}: {message}"
+
+    works, refused, problems = [], {}, []
+    for nproc in params.TRIED_ON_CPU:
+        name, message, seconds = setup(nproc, "auto")
+        if not name:
+            works.append(nproc)
+            continue
+        refused[nproc] = message
+        if name != "ParameterError":
+            problems.append(f"NPROC={nproc}: {name}: {message} (expected ParameterError or no error)")
+        if seconds > REFUSAL_S:
+            problems.append(f"NPROC={nproc}: refused after {seconds:.1f} s, not at once (limit {REFUSAL_S} s)")
+    good = ", ".join(str(n) for n in works)
+    for nproc, message in refused.items():
+        if f"Values from 1 to 8 that work: {good}" not in message:
+            problems.append(f"NPROC={nproc}: the message does not name the values that work ({good}): {message}")
+    assert works, "no NPROC from 1 to 8 works"
+    assert problems == [], "\n".join(problems)
+
+    if not torch.cuda.is_available():  # nccl needs a GPU per rank: refused at once on this machine
+        name, message, seconds = setup(works[0], "nccl")
+        assert name == "ParameterError", f"BACKEND='nccl' on a machine without GPUs: {name or 'accepted'} {message}"
+        assert "nccl" in message and seconds <= REFUSAL_S, (message, seconds)
