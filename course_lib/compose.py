@@ -9,12 +9,14 @@ communication per GPU for a (dp, tp, pp) choice on a real cluster.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from course_lib.exercises import ExerciseFailed, expect_equal
 from course_lib.memory import GB, zero_bytes_per_gpu
@@ -63,7 +65,7 @@ def new_groups_by_hand(world_size: int, pp: int, dp: int, tp: int) -> dict[str, 
     return mine
 
 
-def build_mesh(pp: int, dp: int, tp: int, device_type: str = "cpu"):
+def build_mesh(pp: int, dp: int, tp: int, device_type: str = "cpu") -> DeviceMesh:
     """The same grid in one call: a 3-D DeviceMesh with named dimensions."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -78,12 +80,15 @@ def make_model(n_blocks: int = 4, seed: int = 0) -> nn.Sequential:
     return nn.Sequential(*[TransformerBlock(seed=seed + i) for i in range(n_blocks)])
 
 
-def make_batch(global_batch: int = 8, seq: int = 6, d_model: int = 48, seed: int = 1):
+def make_batch(
+    global_batch: int = 8, seq: int = 6, d_model: int = 48, seed: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeded inputs and targets: the same on every rank and every machine."""
     g = torch.Generator().manual_seed(seed)
     return torch.randn(global_batch, seq, d_model, generator=g), torch.randn(global_batch, seq, d_model, generator=g)
 
 
-def apply_tp(blocks: nn.Sequential, tp_mesh) -> nn.Sequential:
+def apply_tp(blocks: nn.Sequential, tp_mesh: DeviceMesh) -> nn.Sequential:
     """Tensor parallel inside every block (q/k/v/up column-wise, o/down row-wise; notebook 06)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -92,7 +97,7 @@ def apply_tp(blocks: nn.Sequential, tp_mesh) -> nn.Sequential:
     return blocks
 
 
-def apply_fsdp(blocks: nn.Sequential, dp_mesh) -> nn.Sequential:
+def apply_fsdp(blocks: nn.Sequential, dp_mesh: DeviceMesh) -> nn.Sequential:
     """FSDP2 per block, then the root (notebook 03). A 2-D mesh (replicate, shard) gives HSDP."""
     from torch.distributed.fsdp import fully_shard
 
@@ -114,8 +119,18 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(out, target)
 
 
+def shard_loss(out: torch.Tensor, target: torch.Tensor, global_batch: int, dp: int) -> torch.Tensor:
+    """This dp rank's share of the global-batch mean loss, scaled for a gradient average over `dp` ranks.
+
+    FSDP (and DDP) average gradients over the dp ranks. With shares of unequal size (12 sequences over
+    5 ranks: 3, 3, 2, 2, 2) a plain per-rank mean would weigh a sample of a small share more; scaling
+    by dp * n_local / n_global makes the average over dp exactly the mean over the global batch.
+    """
+    return loss_fn(out, target) * (dp * len(out) / global_batch)
+
+
 @contextmanager
-def quiet_full_tensor():
+def quiet_full_tensor() -> Iterator[None]:
     """Gathering a (FSDP x TP) gradient for a check logs a note that it takes two all-gathers.
 
     That note is about speed, and these gathers exist only to compare with the reference.
@@ -135,7 +150,9 @@ def full_grads(module: nn.Module, offset: int = 0) -> dict[str, torch.Tensor]:
     with quiet_full_tensor():
         for name, p in module.named_parameters():
             index, rest = name.split(".", 1)
-            grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            grad = _grad_of(name, p)
+            if hasattr(grad, "full_tensor"):
+                grad = grad.full_tensor()
             out[f"{int(index) + offset}.{rest}"] = grad.detach().cpu()
     return out
 
@@ -145,10 +162,18 @@ def reference_grads(n_blocks: int, x: torch.Tensor, y: torch.Tensor) -> tuple[fl
     model = make_model(n_blocks)
     loss = loss_fn(model(x), y)
     loss.backward()
-    return loss.item(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return loss.item(), {n: _grad_of(n, p).detach().clone() for n, p in model.named_parameters()}
+
+
+def _grad_of(name: str, p: nn.Parameter) -> torch.Tensor:
+    """`p.grad`, or a clear error when backward never reached this parameter."""
+    if p.grad is None:
+        raise ValueError(f"parameter {name!r} has no gradient: did backward run through it?")
+    return p.grad
 
 
 def max_grad_difference(got: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    """The largest absolute difference between two sets of gradients, over every named tensor."""
     return max((got[name] - reference[name]).abs().max().item() for name in got)
 
 
@@ -271,18 +296,27 @@ def format_plan(rows: list[dict[str, float]]) -> str:
 # ---- exercise -----------------------------------------------------------------------------------
 
 
-def solution_my_coordinates(rank, pp, dp, tp):
+def solution_my_coordinates(rank: int, pp: int, dp: int, tp: int) -> tuple[int, int, int]:
     return rank // (dp * tp), rank // tp % dp, rank % tp
 
 
-def check_my_coordinates(fn) -> None:
-    """fn(rank, pp, dp, tp) -> (pp, dp, tp) coordinates must match init_device_mesh's for every shape."""
+def check_my_coordinates(fn: Callable[[int, int, int, int], object]) -> None:
+    """fn(rank, pp, dp, tp) -> (pp, dp, tp) coordinates must match the DeviceMesh's for every shape.
+
+    Shapes (pp, dp, tp) with pp, dp in (1, 2, 4) and tp = world // (pp * dp); when the product is less
+    than the world (5 ranks: (1, 2, 2)), the mesh takes the first pp * dp * tp ranks and the others sit
+    it out, so a prime world size still tests shapes where dp and tp differ.
+    """
     world = dist.get_world_size()
     me = dist.get_rank()
-    shapes = [(pp, dp, world // (pp * dp)) for pp in (1, 2, 4) for dp in (1, 2, 4) if world % (pp * dp) == 0]
+    shapes = [(pp, dp, world // (pp * dp)) for pp in (1, 2, 4) for dp in (1, 2, 4) if world >= pp * dp]
     for pp, dp, tp in shapes:
-        mesh = build_mesh(pp, dp, tp)
-        expected = tuple(mesh.get_coordinate())
+        size = pp * dp * tp
+        mesh = DeviceMesh("cpu", torch.arange(size).view(pp, dp, tp), mesh_dim_names=DIMS)
+        coordinate = mesh.get_coordinate()
+        if coordinate is None:  # this rank is not in the mesh
+            continue
+        expected = tuple(coordinate)
         got = fn(me, pp, dp, tp)
         if not isinstance(got, tuple):
             raise ExerciseFailed(f"my_coordinates must return a tuple (pp, dp, tp), got {type(got).__name__}")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
+import torch
 
 from course_lib import compose
 from course_lib.exercises import check
@@ -44,13 +47,33 @@ def test_planner_reproduces_zero3_states_and_the_layout_trade_offs():
 
 
 def test_coordinates_exercise_checker_accepts_the_solution_and_names_wrong_ranks(capsys):
-    assert (
-        check(compose.solution_my_coordinates, "course_lib.compose:check_my_coordinates", nproc=4, backend="gloo")
-        is True
-    )
-
     def my_coordinates(rank, pp, dp, tp):  # dp and tp swapped: right only when they are equal
         return rank // (dp * tp), rank % dp, rank // dp % tp
 
-    assert check(my_coordinates, "course_lib.compose:check_my_coordinates", nproc=4, backend="gloo") is False
-    assert "rank" in capsys.readouterr().out.splitlines()[-1]
+    # 4 ranks: a full 2 x 2 grid; 5 (prime): the (1, 2, 2) mesh on the first 4 ranks still catches the swap.
+    for nproc in (5, 4):
+        assert (
+            check(
+                compose.solution_my_coordinates, "course_lib.compose:check_my_coordinates", nproc=nproc, backend="gloo"
+            )
+            is True
+        )
+        assert check(my_coordinates, "course_lib.compose:check_my_coordinates", nproc=nproc, backend="gloo") is False
+        said = capsys.readouterr().out.splitlines()[-1]
+        # whichever wrong rank reports first (1 or 2), its coordinate and both values are named correctly
+        found = re.search(r"rank (\d): my_coordinates\((\d), pp=1, dp=2, tp=2\)\[(\d)\]: expected (\d), got (\d)", said)
+        assert found, said
+        rank, same_rank, index, expected, got = map(int, found.groups())
+        assert rank == same_rank and rank in (1, 2), said
+        assert expected == compose.solution_my_coordinates(rank, 1, 2, 2)[index], said
+        assert got == my_coordinates(rank, 1, 2, 2)[index] != expected, said
+
+
+def test_shard_loss_makes_uneven_shares_average_to_the_global_mean():
+    x, y = compose.make_batch(global_batch=12)
+    out = x * 0.5
+    for dp in (1, 5, 7, 8):
+        shares = [
+            compose.shard_loss(o, t, global_batch=12, dp=dp) for o, t in zip(out.tensor_split(dp), y.tensor_split(dp))
+        ]
+        assert torch.stack(shares).mean().item() == pytest.approx(compose.loss_fn(out, y).item(), rel=1e-6)
