@@ -1,7 +1,8 @@
 """What the %%torchrun magic costs over typing `torchrun` yourself.
 
 Runs the same small all_reduce program N times each way, alternating, on the same
-number of ranks, and prints the median wall time of each and their ratio (goal <= 1.10):
+number of ranks, and prints the median wall time of each and their ratio (goal <= 1.10;
+the ratio is also reported for `make benchmark`, see benchmarks/_report.py):
 
     .venv/bin/python benchmarks/launcher_overhead.py [--nproc 2] [--repeats 7]
 """
@@ -15,6 +16,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from _report import report  # benchmarks/_report.py: one JSON line per figure for run_all.py
 
 BODY = "t = torch.ones(1000) * rank\ndist.all_reduce(t)\nprint(f'rank {rank}: {t[0].item():g}')\n"
 
@@ -54,6 +57,7 @@ def main() -> None:
     print(f"%%torchrun cell : median {m:.3f} s")
     print(f"bare torchrun   : median {b:.3f} s")
     print(f"ratio           : {m / b:.3f}  (goal <= 1.10)")
+    report(f"%%torchrun cell / bare torchrun, wall time, {args.nproc} ranks", m / b, "<= 1.10")
 
 
 if __name__ == "__main__":
