@@ -22,7 +22,7 @@ course: $(STAMP)      ## execute every notebook into build/course/ and print a s
 	$(PY) -m course_lib.runner --out build/course $(ARGS)
 
 test: $(STAMP)        ## unit tests of course_lib, and nbval: every notebook once, at its default parameters
-	$(PY) -m pytest tests notebooks $(NBVAL) -m "not notebook" $(ARGS)
+	$(PY) -m pytest tests notebooks $(NBVAL) -m "not notebook" --ignore=tests/browser $(ARGS)
 
 test-ranks: $(STAMP)  ## every notebook under papermill with NPROC=3: its own assertions hold at another world size
 	$(PY) -m pytest -m notebook tests/test_notebooks.py $(ARGS)
