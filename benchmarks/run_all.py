@@ -79,7 +79,7 @@ def table(rows: list[tuple[str, str, str, str, str]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("scripts", nargs="*", help="benchmark file name prefixes (default: all)")
-    parser.add_argument("--timeout", type=float, default=600, help="seconds one script may run (default 600)")
+    parser.add_argument("--timeout", type=float, default=1200, help="seconds one script may run (default 1200)")
     parser.add_argument("--show-output", action="store_true", help="print each script's own output too")
     args = parser.parse_args(argv)
 
