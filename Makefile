@@ -27,6 +27,12 @@ test: $(STAMP)        ## unit tests of course_lib, and nbval: every notebook onc
 test-ranks: $(STAMP)  ## every notebook under papermill with NPROC=3: its own assertions hold at another world size
 	$(PY) -m pytest -m notebook tests/test_notebooks.py $(ARGS)
 
+.PHONY: test-browser
+test-browser: AS_ROOT = $$(test "$$(id -u)" = 0 || echo sudo) env DEBIAN_FRONTEND=noninteractive
+test-browser: $(STAMP)  ## JupyterLab in headless Chromium runs notebooks 00 and 01: outputs, ranks, explorer; screenshots in build/browser/
+	test -x /usr/bin/chromium || { $(AS_ROOT) apt-get install -y chromium || { $(AS_ROOT) apt-get update && $(AS_ROOT) apt-get install -y chromium; }; }
+	$(PY) -m pytest tests/browser -p no:cacheprovider $(ARGS)
+
 lint: $(STAMP)        ## ruff (lint and format) over code, tests, benchmarks and notebooks; mypy over course_lib
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)
