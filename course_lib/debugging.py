@@ -20,10 +20,14 @@ import platform
 import re
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 from course_lib.exercises import ExerciseFailed
 
@@ -309,7 +313,7 @@ class StepMonitor:
     samples_per_s: list[float] = field(default_factory=list)
     memory_mb: list[float] = field(default_factory=list)
 
-    def step(self, samples: int):
+    def step(self, samples: int) -> _TimedStep:
         return _TimedStep(self, samples)
 
     def as_dict(self) -> dict[str, list[float]]:
@@ -474,7 +478,9 @@ def train_monitored(
 _STEP_LINE = re.compile(r"^\[rank (\d+)\] step (\d+) (\S+) s (\S+) MB")
 
 
-def plot_steps(seconds: dict[int, list[float]], memory: dict[int, list[float]], samples_per_rank: int, title: str = ""):
+def plot_steps(
+    seconds: dict[int, list[float]], memory: dict[int, list[float]], samples_per_rank: int, title: str = ""
+) -> Figure:
     """Two panels: global throughput per step as each rank measured it, and each rank's memory."""
     import matplotlib.pyplot as plt
 
