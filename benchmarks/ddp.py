@@ -22,9 +22,11 @@ from course_lib.ddp import MinimalDDP
 from course_lib.models import MLP
 
 results = {}
-for label, shape, batch in (("course MLP", {}, 48), ("big MLP", dict(d_in=256, d_hidden=1024, d_out=256, n_layers=4), 128)):
+BIG = dict(d_in=256, d_hidden=1024, d_out=256, n_layers=4)
+for label, shape, batch in (("course MLP", {}, 48), ("big MLP", BIG, 128)):
     torch.manual_seed(rank)
-    x, y = torch.randn(batch // world_size, shape.get("d_in", 32)), torch.randn(batch // world_size, shape.get("d_out", 8))
+    x = torch.randn(batch // world_size, shape.get("d_in", 32))
+    y = torch.randn(batch // world_size, shape.get("d_out", 8))
     models = {"MinimalDDP": MinimalDDP(MLP(**shape)), "torch DDP": DDP(MLP(**shape))}
     optimizers = {name: torch.optim.Adam(m.parameters(), lr=1e-3) for name, m in models.items()}
     times = {name: [] for name in models}

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sized
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from course_lib.exercises import ExerciseFailed, expect_equal
 from course_lib.runtime import rank_device
+
+if TYPE_CHECKING:
+    from torch.nn.parallel import DistributedDataParallel
 
 MB = 1024 * 1024
 
@@ -147,12 +151,16 @@ class MinimalDDP(nn.Module):
     def _launch(self, bucket: Bucket) -> None:
         for p, view in bucket.views():
             # Divide before summing (as torch DDP does): the sum of N gradients cannot overflow.
+            assert p.grad is not None  # every parameter of a bucket has its gradient when the bucket launches
             torch.mul(p.grad.reshape(-1), 1.0 / self.world_size, out=view)
         bucket.launched_at = time.perf_counter()
-        bucket.work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
-        bucket.done_future = bucket.work.get_future().then(
-            lambda _, b=bucket: setattr(b, "done_at", time.perf_counter())
-        )
+        work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
+        assert work is not None  # async_op=True
+
+        def mark_done(_: torch.futures.Future) -> None:
+            bucket.done_at = time.perf_counter()
+
+        bucket.work, bucket.done_future = work, work.get_future().then(mark_done)
 
     @torch.no_grad()
     def _finish(self) -> None:
@@ -167,9 +175,11 @@ class MinimalDDP(nn.Module):
                 "MinimalDDP cannot wait for them (torch DDP: find_unused_parameters=True)"
             )
         for b in self.buckets:
+            assert b.work is not None and b.done_future is not None  # all launched (checked above)
             b.work.wait()  # the only place backward waits for the network
             b.done_future.wait()
             for p, view in b.views():
+                assert p.grad is not None  # set in _launch
                 p.grad.copy_(view.view_as(p))
             # Drop the finished work and future: a c10d future that outlives the process group
             # (freed at interpreter exit) can abort the process.
@@ -240,12 +250,12 @@ def load_snapshot(path: str, model: nn.Module, optimizer: torch.optim.Optimizer)
 def shuffled_order(dataset: Dataset, epoch: int, seed: int = 0) -> list[int]:
     """The permutation DistributedSampler(shuffle=True, seed=seed) uses in `epoch`, on every rank."""
     g = torch.Generator().manual_seed(seed + epoch)
-    return torch.randperm(len(dataset), generator=g).tolist()
+    return torch.randperm(len(cast(Sized, dataset)), generator=g).tolist()
 
 
 def rank_loader(dataset: Dataset, micro_batch: int, epoch: int, seed: int = 0) -> DataLoader:
     """This rank's shard: DistributedSampler hands rank r the indices order[r::N]."""
-    sampler = DistributedSampler(dataset, shuffle=True, seed=seed, drop_last=True)
+    sampler: DistributedSampler = DistributedSampler(dataset, shuffle=True, seed=seed, drop_last=True)
     sampler.set_epoch(epoch)  # without it every epoch repeats epoch 0's order
     return DataLoader(dataset, batch_size=micro_batch, sampler=sampler)
 
@@ -311,7 +321,8 @@ def train(
             for micro in range(accumulation):
                 x, y = (t.to(device) for t in next(batches))
                 last = micro == accumulation - 1
-                sync = contextlib.nullcontext() if (last or not distributed) else model.no_sync()
+                wrapper = cast("DistributedDataParallel | MinimalDDP", model)
+                sync = contextlib.nullcontext() if (last or not distributed) else wrapper.no_sync()
                 with sync:  # forward too: torch DDP prepares its reducer in forward
                     loss = nn.functional.mse_loss(model(x), y) / accumulation
                     loss.backward()
@@ -354,7 +365,7 @@ def bf16_compress_hook_any_backend(state, bucket):
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 
 
-def attach_comm_hook(ddp_model: nn.Module, name: str, powersgd_rank: int = 2):
+def attach_comm_hook(ddp_model: DistributedDataParallel, name: str, powersgd_rank: int = 2):
     """Register one of torch's compression hooks on a torch DDP model; returns the hook's state."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
@@ -424,8 +435,8 @@ def gradient_error(
         for m in (exact, compressed):
             m.zero_grad(set_to_none=True)
             nn.functional.mse_loss(m(x), y).backward()
-    g_exact = torch.cat([p.grad.reshape(-1) for p in exact.parameters()])
-    g_hook = torch.cat([p.grad.reshape(-1) for p in compressed.parameters()])
+    g_exact = torch.cat([p.grad.reshape(-1) for p in exact.parameters() if p.grad is not None])
+    g_hook = torch.cat([p.grad.reshape(-1) for p in compressed.parameters() if p.grad is not None])
     return ((g_hook - g_exact).norm() / g_exact.norm()).item()
 
 
@@ -523,6 +534,7 @@ def ddp_bytes_per_rank(n_params: int, param_bytes: int = 4, optimizer_states: in
 
 
 def solution_average_gradient(param: torch.Tensor) -> None:
+    assert param.grad is not None
     dist.all_reduce(param.grad)
     param.grad /= dist.get_world_size()
 

@@ -1,6 +1,7 @@
 """course_lib.ddp: the from-scratch DDP against torch's DDP and single-process training, on real gloo ranks.
 
-Each multi-rank test is one launch (about 3 s of start-up), so many checks share a body.
+Each multi-rank test is one launch (about 3 s of start-up), so many checks share a rank program
+(tests/rank_programs/ddp.py).
 """
 
 from __future__ import annotations
@@ -15,81 +16,16 @@ import torch.distributed as dist
 
 from course_lib import ddp
 from course_lib.exercises import check
-from course_lib.launcher import launch
 from course_lib.models import MLP
-
-QUIET = dict(write=lambda text, stream: None)
-
-EQUALITY_BODY = r"""
-from torch.nn.parallel import DistributedDataParallel as DDP
-from course_lib.data import regression
-from course_lib.ddp import MinimalDDP, check_gradient_sync, max_difference, train
-from course_lib.models import MLP
-
-data = regression(n=144)              # 3 global batches of 48: divisible by 2, 3 and 4 ranks
-def sgd_run(model, **kw):
-    return train(model, data, global_batch=48, epochs=1, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), **kw)
-
-results = {}
-single = MLP()
-sgd_run(single, distributed=False)
-for cap_mb in (25.0, 0.01):           # one bucket; then a bucket per tensor or two (several async all-reduces)
-    for accumulation in (1, 2, 3):
-        if 48 % (world_size * accumulation):
-            continue
-        mine = MinimalDDP(MLP(seed=rank), bucket_cap_mb=cap_mb)   # different starts: rank 0 broadcasts seed 0
-        theirs = DDP(MLP(seed=11 * rank), bucket_cap_mb=cap_mb)
-        sgd_run(mine, accumulation=accumulation, check_sync=True)
-        sgd_run(theirs, accumulation=accumulation)
-        results[(cap_mb, accumulation)] = (max_difference(single, mine), max_difference(mine, theirs), len(mine.buckets))
-
-# the timeline: one entry per bucket, launched in bucket order, each finishing after it started
-timeline = mine.timeline
-launch_order = [start for _, _, start, _ in timeline]
-timeline_ok = (len(timeline) == len(mine.buckets) > 1 and launch_order == sorted(launch_order)
-               and all(end >= start for _, _, start, end in timeline)
-               and sum(nbytes for _, nbytes, _, _ in timeline) == sum(p.numel() * 4 for p in mine.parameters()))
-
-# check_gradient_sync: silent when in sync, names the ranks that are not
-model = MinimalDDP(MLP())
-x, y = data.tensors[0][rank::world_size], data.tensors[1][rank::world_size]
-torch.nn.functional.mse_loss(model(x), y).backward()
-in_sync = check_gradient_sync(model)
-with model.no_sync():
-    torch.nn.functional.mse_loss(model(x), y).backward()
-try:
-    check_gradient_sync(model)
-    out_of_sync = None
-except AssertionError as error:
-    out_of_sync = str(error)
-
-# a parameter without gradient: MinimalDDP must say so instead of hanging
-class TwoHeads(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.used, self.unused = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
-    def forward(self, x):
-        return self.used(x)
-partial = MinimalDDP(TwoHeads())
-try:
-    partial(torch.ones(2, 4)).sum().backward()
-    unused_error = None
-except RuntimeError as error:
-    unused_error = str(error)
-"""
+from tests.rank_programs import ddp as rank_programs
+from tests.rank_programs import run
 
 
 @pytest.mark.parametrize("nproc", [2, 3, 4])
 def test_minimal_ddp_equals_torch_ddp_and_single_process(nproc):
-    run = launch(
-        EQUALITY_BODY,
-        nproc,
-        backend="gloo",
-        out=["results", "timeline_ok", "in_sync", "out_of_sync", "unused_error"],
-        **QUIET,
-    )
+    values = run(rank_programs.equality, nproc)
     for rank in range(nproc):
-        results = run.values["results"][rank]
+        results = values[rank]["results"]
         assert (25.0, 1) in results and (0.01, 2) in results
         assert results[(25.0, 1)][2] == 1 and results[(0.01, 1)][2] > 1
         for (cap_mb, accumulation), (vs_single, vs_torch, n_buckets) in results.items():
@@ -97,79 +33,20 @@ def test_minimal_ddp_equals_torch_ddp_and_single_process(nproc):
             assert vs_single < 1e-6, (where, vs_single)  # 3 SGD steps: only float rounding apart
             assert vs_torch < 1e-6, (where, vs_torch)
             assert n_buckets == len(ddp.assign_buckets(list(MLP().parameters()), int(cap_mb * ddp.MB))), where
-        assert run.values["timeline_ok"][rank]
-        assert run.values["in_sync"][rank] == 0.0
-        message = run.values["out_of_sync"][rank]
+        assert values[rank]["timeline_ok"]
+        assert values[rank]["in_sync"] == 0.0
+        message = values[rank]["out_of_sync"]
         assert message is not None and message.startswith(f"gradients out of sync: rank(s) {list(range(1, nproc))}")
         if rank:
             assert f"here on rank {rank} first in 0.weight" in message
-        assert "find_unused_parameters" in run.values["unused_error"][rank]
-
-
-HOOKS_SNAPSHOT_AND_EXERCISES_BODY = r"""
-from course_lib import ddp
-from course_lib.data import regression
-from course_lib.exercises import ExerciseFailed
-from course_lib.models import MLP
-
-data = regression(n=240)
-x, y = next(iter(ddp.rank_loader(data, 48 // world_size, epoch=0)))
-hooks = {}
-for hook in ddp.COMM_HOOKS:
-    log, model = ddp.train_with_hook(hook, data, torch.device("cpu"), global_batch=48, epochs=1)
-    hooks[hook] = (sorted(log.bytes_sent)[len(log.bytes_sent) // 2], ddp.ring_bytes(ddp.payload_bytes(model, hook), world_size),
-                   ddp.gradient_error(MLP(), hook, x, y), log.losses[-1])
-
-# snapshot: rank 0 writes, every rank reads the same weights and optimizer state
-model = ddp.MinimalDDP(MLP())
-optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-ddp.train(model, data, global_batch=48, epochs=1, optimizer=optimizer)
-ddp.save_snapshot(snapshot_path, model, optimizer, step=7)
-fresh = ddp.MinimalDDP(MLP(seed=5))
-fresh_optimizer = torch.optim.Adam(fresh.parameters(), lr=1e-2)
-snapshot_step = ddp.load_snapshot(snapshot_path, fresh, fresh_optimizer)
-snapshot_gap = ddp.max_difference(model, fresh)
-snapshot_keys = sorted(torch.load(snapshot_path, weights_only=True)["model"])
-
-# exercise checkers: the reference passes, wrong answers fail with a message naming the rank
-def sum_without_average(param):
-    dist.all_reduce(param.grad)
-
-def local_only(param):
-    pass
-
-def hook_sum_only(state, bucket):
-    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda fut: fut.value()[0])
-
-def hook_local_only(state, bucket):
-    future = torch.futures.Future()
-    future.set_result(bucket.buffer())
-    return future
-
-verdicts = {}
-for checker, candidates in ((ddp.check_average_gradient, (ddp.solution_average_gradient, sum_without_average, local_only)),
-                            (ddp.check_mean_allreduce_hook, (ddp.solution_mean_allreduce_hook, hook_sum_only, hook_local_only))):
-    for candidate in candidates:
-        try:
-            checker(candidate)
-            verdicts[candidate.__name__] = "passed"
-        except ExerciseFailed as failure:
-            verdicts[candidate.__name__] = str(failure)
-"""
+        assert "find_unused_parameters" in values[rank]["unused_error"]
 
 
 def test_hooks_snapshot_and_exercise_checkers():
     nproc = 3
     snapshot_path = os.path.join(tempfile.mkdtemp(), "snapshot.pt")
-    run = launch(
-        HOOKS_SNAPSHOT_AND_EXERCISES_BODY,
-        nproc,
-        backend="gloo",
-        push={"snapshot_path": snapshot_path},
-        out=["hooks", "snapshot_step", "snapshot_gap", "snapshot_keys", "verdicts"],
-        **QUIET,
-    )
-    hooks = run.values["hooks"][0]
+    values = run(rank_programs.hooks_snapshot_and_exercises, nproc, kwargs={"snapshot_path": snapshot_path})
+    hooks = values[0]["hooks"]
     errors = {name: h[2] for name, h in hooks.items()}
     assert errors["none"] == 0.0 and 1e-5 < errors["fp16"] < 1e-3 < errors["bf16"] < 1e-2 < errors["powersgd"], errors
     for name in ("none", "fp16", "bf16"):
@@ -178,10 +55,10 @@ def test_hooks_snapshot_and_exercise_checkers():
     assert hooks["powersgd"][0] < 0.2 * hooks["none"][0]
     for name in ("fp16", "bf16"):
         assert abs(hooks[name][3] - hooks["none"][3]) < 0.01 * hooks["none"][3], name
-    assert run.values["snapshot_step"] == [7] * nproc
-    assert run.values["snapshot_gap"] == [0.0] * nproc
-    assert run.values["snapshot_keys"][0] == sorted(MLP().state_dict())  # no "module." prefix
-    for rank, verdicts in enumerate(run.values["verdicts"]):
+    assert [v["snapshot_step"] for v in values] == [7] * nproc
+    assert [v["snapshot_gap"] for v in values] == [0.0] * nproc
+    assert values[0]["snapshot_keys"] == sorted(MLP().state_dict())  # no "module." prefix
+    for rank, verdicts in enumerate(v["verdicts"] for v in values):
         assert verdicts["solution_average_gradient"] == "passed"
         assert verdicts["solution_mean_allreduce_hook"] == "passed"
         for wrong in ("sum_without_average", "local_only", "hook_sum_only", "hook_local_only"):
