@@ -48,7 +48,7 @@ def reset_calls() -> None:
 class ShardedUnit(nn.Module):
     """One unit of a ZeroModel: the wrapped module without its parameters, plus this rank's flat shard."""
 
-    def __init__(self, inner: nn.Module, stage: int, group=None):
+    def __init__(self, inner: nn.Module, stage: int, group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.stage, self.group = stage, group
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
@@ -63,11 +63,12 @@ class ShardedUnit(nn.Module):
         self.inner = inner
         # Stages 1-2 keep the full parameters between steps (and stage 1 the full gradient): the
         # shard is then a view into the full copy, as in real ZeRO, so no element is held twice.
-        self.full_params = flat.clone() if stage in (1, 2) else None
+        self.full_params: torch.Tensor | None = None
         self.full_grad: torch.Tensor | None = None
         if stage == 0:
             self.shard = nn.Parameter(flat.clone())  # DDP: "shard" = everything
         elif stage in (1, 2):
+            self.full_params = flat.clone()
             self.shard = nn.Parameter(torch.tensor_split(self.full_params, self.world_size)[self.rank])
         else:
             self.shard = nn.Parameter(torch.tensor_split(flat, self.world_size)[self.rank].clone())
@@ -100,6 +101,7 @@ class ShardedUnit(nn.Module):
             return self.shard.detach()
         if self.stage == 3:
             return self.gather()
+        assert self.full_params is not None  # stages 1-2 keep them between steps
         return self.full_params
 
     def run(self, flat_params: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -115,7 +117,7 @@ class ShardedUnit(nn.Module):
 
     def refresh_full_params(self) -> None:
         """Stages 1-2: copy the shards every rank updated in the last step into the full copy."""
-        if self.stage in (1, 2):
+        if self.full_params is not None:  # stages 1-2
             with torch.no_grad():  # in place: the shard is a view into it
                 self.full_params.copy_(self.gather())
 
@@ -162,7 +164,7 @@ class ZeroModel(nn.Module):
     micro-batch, and gradients are averaged over ranks, as in DDP.
     """
 
-    def __init__(self, module: nn.Module, stage: int = 3, group=None):
+    def __init__(self, module: nn.Module, stage: int = 3, group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
@@ -188,13 +190,14 @@ class ZeroModel(nn.Module):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ for sharded gradients: each rank sums the squares of its
         own shard, one all-reduce adds them up (the shards partition the model), same factor everywhere."""
-        squares = sum(u.shard.grad.double().pow(2).sum() for u in self.units)
+        grads = [u.shard.grad for u in self.units if u.shard.grad is not None]
+        squares = torch.stack([g.double().pow(2).sum() for g in grads]).sum()
         if self.stage > 0:  # stage 0 holds the whole gradient already
             dist.all_reduce(squares, group=self.units[0].group)
         total_norm = squares.sqrt().float()
         factor = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-        for unit in self.units:
-            unit.shard.grad.mul_(factor)
+        for g in grads:
+            g.mul_(factor)
         return total_norm
 
     def full_state(self) -> dict[str, torch.Tensor]:

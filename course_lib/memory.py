@@ -96,7 +96,8 @@ def held_bytes(
     with fully_shard's padding.
     """
     size = allocated_bytes if padded else tensor_bytes
-    extra = model.extra_held() if hasattr(model, "extra_held") else {}
+    extra_held = getattr(model, "extra_held", None)  # ZeroModel's full copies
+    extra = extra_held() if extra_held is not None else {}
     params = list(model.parameters())
 
     def count(full_copies, tensors) -> int:
@@ -144,7 +145,7 @@ def draw_per_rank(measured: dict[str, list[dict]], predicted: dict[str, dict], a
 
     ax = ax or plt.gca()
     colors = {"params": "tab:blue", "grads": "tab:orange", "optimizer": "tab:green"}
-    x, labels = 0, []
+    x, labels = 0.0, []
     for setup, per_rank in measured.items():
         for rank, held in enumerate(per_rank):
             bottom = 0.0
@@ -162,7 +163,7 @@ def draw_per_rank(measured: dict[str, list[dict]], predicted: dict[str, dict], a
             x += 1
         x += 0.6
     ticks, x = [], 0.0
-    for setup, per_rank in measured.items():
+    for per_rank in measured.values():
         ticks += [x + r for r in range(len(per_rank))]
         x += len(per_rank) + 0.6
     ax.set_xticks(ticks, labels, fontsize=7)
