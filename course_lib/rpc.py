@@ -21,6 +21,7 @@ import statistics
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -120,7 +121,7 @@ def wait_for_slow_call(timeout_s: float = 10.0) -> bool:
 
 
 @contextlib.contextmanager
-def captured_stderr():
+def captured_stderr() -> Iterator[io.StringIO]:
     """Collect what this process's RPC threads print to stderr.
 
     When a remote function raises, torch prints the traceback on the *callee*
@@ -161,7 +162,7 @@ class RemoteModel(nn.Module):
 _MODEL_BUILD_LOCK = threading.Lock()
 
 
-def make_model() -> nn.Module:
+def make_model() -> nn.Sequential:
     """The course MLP, small: 32 -> 32 -> 32 -> 8.
 
     MLP seeds the global RNG and then draws the weights from it: two RPC threads building
@@ -176,7 +177,9 @@ def _dataset(n_samples: int):
     return regression(n=n_samples, d_in=32, d_out=8, seed=0)
 
 
-def trainer_batch(step: int, trainer: int, n_trainers: int, batch_size: int = 16, n_samples: int = 512):
+def trainer_batch(
+    step: int, trainer: int, n_trainers: int, batch_size: int = 16, n_samples: int = 512
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Trainer `trainer`'s share of step `step`: the global batch of step `step` is
     `n_trainers * batch_size` rows of a fixed permutation; each trainer takes its slice."""
     data = _dataset(n_samples)
@@ -227,7 +230,9 @@ class BatchingParameterServer:
         self.n_trainers = n_trainers
         self.lock = threading.Lock()
         self.round_gradients: dict[int, list[torch.Tensor]] = {}
-        self.next_parameters = torch.futures.Future()  # completed when the current round steps
+        self.next_parameters: torch.futures.Future[list[torch.Tensor]] = (
+            torch.futures.Future()
+        )  # completed when the current round steps
         self.steps = 0
 
     def parameters(self) -> list[torch.Tensor]:
@@ -292,7 +297,10 @@ class LockingParameterServer:
             return self.version, snapshot(self.model)
 
 
-SERVERS = {"sync": BatchingParameterServer, "async": LockingParameterServer}
+SERVERS: dict[str, type[BatchingParameterServer] | type[LockingParameterServer]] = {
+    "sync": BatchingParameterServer,
+    "async": LockingParameterServer,
+}
 
 
 def train_on_trainer(
@@ -357,7 +365,9 @@ def run_parameter_server(
     }
 
 
-def data_parallel_reference(n_trainers: int, steps: int = 40, batch_size: int = 16, lr: float = 1.0):
+def data_parallel_reference(
+    n_trainers: int, steps: int = 40, batch_size: int = 16, lr: float = 1.0
+) -> tuple[list[torch.Tensor], list[float]]:
     """Single process: what data-parallel training (DDP) computes with the same data.
 
     DDP averages the trainers' gradients (all-reduce, then divide by N) and every rank
@@ -519,7 +529,7 @@ def local_training_step(x: torch.Tensor, y: torch.Tensor, lr: float = 0.1) -> di
     model = nn.Sequential(*three_stage_model())
     loss = nn.functional.mse_loss(model(x), y)
     loss.backward()
-    gradients = [p.grad.clone() for p in model.parameters()]
+    gradients = [p.grad.clone() for p in model.parameters() if p.grad is not None]
     torch.optim.SGD(model.parameters(), lr=lr).step()
     return {"loss": loss.item(), "gradients": gradients, "parameters": snapshot(model)}
 

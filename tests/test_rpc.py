@@ -9,9 +9,24 @@ import torch
 from course_lib import rpc as rpc_lib
 from course_lib.exercises import check
 from course_lib.launcher import launch
+from tests.rank_programs import rpc as programs
 
 QUIET = dict(write=lambda text, stream: None)
 STEPS = 20
+
+
+def run_rpc(program, nproc, **kwargs):
+    """Launch a program of tests/rank_programs/rpc.py without a process group (RPC makes its own).
+
+    The launch result (for stderr) and each rank's dict, by rank.
+    """
+    body = (
+        "import os\n"
+        f"from tests.rank_programs.rpc import {program.__name__}\n"
+        f"result = {program.__name__}(int(os.environ['RANK']), int(os.environ['WORLD_SIZE']), **program_kwargs)\n"
+    )
+    done = launch(body, nproc, backend="gloo", init=False, out=["result"], push={"program_kwargs": kwargs}, **QUIET)
+    return done, done.values["result"]
 
 
 # ---- no processes ------------------------------------------------------------------------
@@ -52,25 +67,11 @@ def test_only_torchs_backend_notice_is_recognised():
 
 # ---- parameter server on 2, 3 and 4 processes ---------------------------------------------
 
-PARAMETER_SERVER = f"""
-import os
-import torch.distributed.rpc as rpc
-from course_lib import rpc as rpc_lib
-rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-hidden = rpc_lib.start(rank, world_size)
-runs = {{}}
-if rank == 0:
-    for n_trainers in sorted({{world_size - 1, 4}}):
-        for mode in ("sync", "async"):
-            runs[mode, n_trainers] = rpc_lib.run_parameter_server(mode, n_trainers, world_size, steps={STEPS})
-rpc.shutdown()
-"""
-
 
 @pytest.mark.parametrize("nproc", [2, 3, 4])
 def test_parameter_server_sync_equals_data_parallel_async_converges(nproc):
-    result = launch(PARAMETER_SERVER, nproc, backend="gloo", init=False, out=["runs", "hidden"], **QUIET)
-    runs = result.values["runs"][0]
+    result, ranks = run_rpc(programs.parameter_server, nproc, steps=STEPS)
+    runs = ranks[0]["runs"]
     for n_trainers in sorted({nproc - 1, 4}):
         reference, reference_losses = rpc_lib.data_parallel_reference(n_trainers, steps=STEPS)
         sync = runs["sync", n_trainers]
@@ -92,59 +93,25 @@ def test_parameter_server_sync_equals_data_parallel_async_converges(nproc):
         else:  # one step per gradient instead of one per round: a different trajectory
             assert rpc_lib.max_difference(asynchronous["parameters"], sync["parameters"]) > 1e-4
     # every rank hid exactly torch's one notice, nothing else
-    assert all(len(h) <= 1 for h in result.values["hidden"])
+    assert all(len(r["hidden"]) <= 1 for r in ranks)
     assert not any("Warning" in text for text in result.attempts[-1].stderr.values())
 
 
 # ---- error cases ---------------------------------------------------------------------------
 
-ERRORS = """
-import os
-import torch.distributed.rpc as rpc
-from course_lib import rpc as rpc_lib
-rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-caught = []
-with rpc_lib.captured_stderr() as log:
-    rpc_lib.start(rank, world_size)
-    if rank == 1:
-        try:
-            rpc.rpc_sync("server", rpc_lib.fail, args=("bad value",))
-        except Exception as error:
-            caught.append((type(error).__name__, str(error)))
-        try:
-            rpc.rpc_async("server", rpc_lib.fail, args=("in a future",)).wait()
-        except Exception as error:
-            caught.append((type(error).__name__, str(error)))
-        try:
-            rpc.rpc_sync("server", rpc_lib.sleep_then_return, args=(1.0, "late"), timeout=0.2)
-        except Exception as error:
-            caught.append((type(error).__name__, str(error)))
-        try:
-            rpc.rpc_sync("nobody", rpc_lib.who_am_i)
-        except Exception as error:
-            caught.append((type(error).__name__, str(error)))
-        rpc.rpc_sync("server", rpc_lib.wait_for_slow_call)
-    rpc.shutdown()
-server_log = log.getvalue()
-try:
-    rpc.rpc_sync("server", rpc_lib.who_am_i)
-except Exception as error:
-    caught.append((type(error).__name__, str(error)))
-"""
-
 
 def test_error_cases_raise_what_the_notebook_says():
     assert not hasattr(torch.distributed.rpc, "RPCError") and not hasattr(torch.distributed.rpc, "TimeoutError")
-    result = launch(ERRORS, 2, backend="gloo", init=False, out=["caught", "server_log"], **QUIET)
-    remote, in_future, timeout, unknown, after = result.values["caught"][1]
+    result, ranks = run_rpc(programs.errors, 2)
+    remote, in_future, timeout, unknown, after = ranks[1]["caught"]
     assert remote[0] == "ValueError" and "On WorkerInfo(id=0, name=server)" in remote[1] and "bad value" in remote[1]
     assert in_future[0] == "ValueError" and "in a future" in in_future[1]
     assert timeout[0] == "RuntimeError" and "RPC ran for more than set timeout (200 ms)" in timeout[1]
     assert unknown[0] == "RuntimeError" and "could not find destination name nobody" in unknown[1]
     assert after[0] == "RuntimeError" and "RPC has not been initialized" in after[1]
-    assert result.values["caught"][0] == [after]  # the server only hit the after-shutdown case
-    assert result.values["server_log"][0].count("On WorkerInfo(id=0, name=server)") == 2
-    assert "On WorkerInfo" not in result.values["server_log"][1]  # the trainer served no failing call
+    assert ranks[0]["caught"] == [after]  # the server only hit the after-shutdown case
+    assert ranks[0]["server_log"].count("On WorkerInfo(id=0, name=server)") == 2
+    assert "On WorkerInfo" not in ranks[1]["server_log"]  # the trainer served no failing call
     # nothing leaked: no warnings, no dropped-reply complaint from the slow call
     stderr = "\n".join(result.attempts[-1].stderr.values())
     assert "Warning" not in stderr and "won't send response" not in stderr, stderr
@@ -152,27 +119,12 @@ def test_error_cases_raise_what_the_notebook_says():
 
 # ---- distributed autograd ------------------------------------------------------------------
 
-AUTOGRAD = """
-import os
-import torch
-import torch.distributed.rpc as rpc
-from course_lib import rpc as rpc_lib
-rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-rpc_lib.start(rank, world_size, name=f"worker{rank}")
-distributed = None
-if rank == 0:
-    torch.manual_seed(3)
-    x, y = torch.randn(8, 32), torch.randn(8, 8)
-    distributed = rpc_lib.distributed_training_step(world_size, x, y, lr=0.5)
-rpc.shutdown()
-"""
-
 
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_distributed_autograd_and_optimizer_match_local_training(nproc):
     # with 2 workers, stages 0 and 2 are both built on worker0 by concurrent RPC threads
-    result = launch(AUTOGRAD, nproc, backend="gloo", init=False, out=["distributed"], **QUIET)
-    distributed = result.values["distributed"][0]
+    result, ranks = run_rpc(programs.autograd, nproc)
+    distributed = ranks[0]["distributed"]
     torch.manual_seed(3)
     x, y = torch.randn(8, 32), torch.randn(8, 8)
     local = rpc_lib.local_training_step(x, y, lr=0.5)
