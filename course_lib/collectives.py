@@ -20,9 +20,11 @@ step k); the implementation and the notebook's step-by-step figure both use it.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -92,10 +94,9 @@ class record_steps:
         _recorded_steps = []
         return _recorded_steps
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc) -> None:
         global _recorded_steps
         _recorded_steps = None
-        return False
 
 
 def _after_step(phase: str, step: int, flat: torch.Tensor) -> None:
@@ -107,7 +108,9 @@ def _peer(group, group_rank: int) -> int:
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
-def send_recv(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group=None) -> None:
+def send_recv(
+    send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group: dist.ProcessGroup | None = None
+) -> None:
     """Send `send` to dst while receiving `recv` from src, both at once.
 
     batch_isend_irecv posts both before waiting, so a ring where every rank sends
@@ -142,11 +145,13 @@ def _op_name(op) -> str:
     raise ValueError(f"the ring supports ReduceOp SUM, AVG, MAX and MIN, got {op}")
 
 
-def _ring_reduce_scatter_(flat: torch.Tensor, offsets: list[int], op_name: str, group=None) -> None:
+def _ring_reduce_scatter_(
+    flat: torch.Tensor, offsets: list[int], op_name: str, group: dist.ProcessGroup | None = None
+) -> None:
     """In place on the flat buffer: afterwards chunk `rank` holds the reduction over all ranks."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     combine = _COMBINE[op_name]
-    incoming = torch.empty(max(b - a for a, b in zip(offsets, offsets[1:])), dtype=flat.dtype, device=flat.device)
+    incoming = torch.empty(max(b - a for a, b in itertools.pairwise(offsets)), dtype=flat.dtype, device=flat.device)
     for step in range(n - 1):
         send_chunk, recv_chunk = ring_step(rank, n, step, "reduce_scatter")
         start, end = offsets[recv_chunk], offsets[recv_chunk + 1]
@@ -158,7 +163,7 @@ def _ring_reduce_scatter_(flat: torch.Tensor, offsets: list[int], op_name: str, 
         flat[offsets[rank] : offsets[rank + 1]].div_(n)
 
 
-def _ring_all_gather_(flat: torch.Tensor, offsets: list[int], group=None) -> None:
+def _ring_all_gather_(flat: torch.Tensor, offsets: list[int], group: dist.ProcessGroup | None = None) -> None:
     """In place on the flat buffer: chunk `rank` is valid before; every chunk is valid after."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     for step in range(n - 1):
@@ -177,7 +182,9 @@ def _ring_all_gather_(flat: torch.Tensor, offsets: list[int], group=None) -> Non
 # The from-scratch collectives
 
 
-def ring_reduce_scatter(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
+def ring_reduce_scatter(
+    tensor: torch.Tensor, op=dist.ReduceOp.SUM, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Reduce `tensor` over all ranks and return this rank's chunk (1-D), with a ring of send/recv.
 
     Chunk r is ``torch.tensor_split(tensor.flatten(), N)[r]`` of the reduced tensor: sizes need
@@ -191,7 +198,9 @@ def ring_reduce_scatter(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) 
     return flat[offsets[rank] : offsets[rank + 1]].clone()
 
 
-def ring_all_gather(chunk: torch.Tensor, sizes: Sequence[int] | None = None, group=None) -> torch.Tensor:
+def ring_all_gather(
+    chunk: torch.Tensor, sizes: Sequence[int] | None = None, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Concatenate every rank's `chunk` in rank order, on every rank, with a ring of send/recv.
 
     `sizes[r]` is the element count of rank r's chunk (default: all equal to this chunk's);
@@ -211,7 +220,7 @@ def ring_all_gather(chunk: torch.Tensor, sizes: Sequence[int] | None = None, gro
     return flat
 
 
-def ring_all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
+def ring_all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """All-reduce `tensor` in place with a ring: reduce-scatter, then all-gather. Returns `tensor`.
 
     Works for any world size and any number of elements. Each rank sends 2(N-1)/N of the data,
@@ -229,7 +238,7 @@ def ring_all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> t
     return tensor
 
 
-def naive_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
+def naive_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """All-reduce (SUM) in place the simple way: every rank sends to rank 0, rank 0 sums and sends back.
 
     Rank 0 receives and sends (N-1) whole tensors: its link carries N-1 times what a ring rank
@@ -425,7 +434,7 @@ def ring_all_reduce_states(world_size: int) -> list[dict]:
     """
     n = world_size
     holds = [[frozenset([r]) for _ in range(n)] for r in range(n)]
-    states = [{"phase": "start", "step": None, "sends": [None] * n, "holds": holds}]
+    states: list[dict[str, Any]] = [{"phase": "start", "step": None, "sends": [None] * n, "holds": holds}]
     for phase in ("reduce_scatter", "all_gather"):
         for step in range(n - 1):
             moves = [ring_step(r, n, step, phase) for r in range(n)]
