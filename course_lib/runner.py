@@ -26,6 +26,7 @@ import nbformat
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 DEFAULT_OUT = ROOT / "build" / "course"
+RANK_ERRORS = ("RankFailedError", "RunTimeoutError")  # the launcher's errors, raised for failing ranks
 
 
 @dataclass
@@ -68,9 +69,11 @@ def parse_value(text: str):
 def describe_failure(output_nb: Path, error) -> str:
     """'cell 7, rank 1: ZeroDivisionError' from papermill's error and the executed notebook."""
     where = f"cell {error.exec_count}" if getattr(error, "exec_count", None) else "a cell"
-    ranks = re.search(r"\brank (\d+)", str(getattr(error, "evalue", "")))
+    ename = getattr(error, "ename", type(error).__name__)
+    # Only the launcher's errors come from ranks; a kernel-side error may mention "rank" in its text.
+    ranks = re.search(r"\brank (\d+)", str(getattr(error, "evalue", ""))) if ename in RANK_ERRORS else None
     rank = f", rank {ranks.group(1)}" if ranks else ""
-    return f"{where}{rank}: {getattr(error, 'ename', type(error).__name__)}"
+    return f"{where}{rank}: {ename}"
 
 
 def strip_run_metadata(nb) -> None:

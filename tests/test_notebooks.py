@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -172,3 +173,12 @@ def test_every_nproc_from_1_to_8_runs_or_is_refused_at_once(path, kernel):
         name, message, seconds = setup(works[0], "nccl")
         assert name == "ParameterError", f"BACKEND='nccl' on a machine without GPUs: {name or 'accepted'} {message}"
         assert "nccl" in message and seconds <= REFUSAL_S, (message, seconds)
+
+
+def test_runner_names_a_rank_only_for_rank_errors():
+    from types import SimpleNamespace
+
+    from_ranks = SimpleNamespace(exec_count=5, ename="RankFailedError", evalue="rank 1 raised ValueError")
+    in_kernel = SimpleNamespace(exec_count=3, ename="ParameterError", evalue="rank 1 is the server, NPROC >= 2")
+    assert runner.describe_failure(Path("x.ipynb"), from_ranks) == "cell 5, rank 1: RankFailedError"
+    assert runner.describe_failure(Path("x.ipynb"), in_kernel) == "cell 3: ParameterError"
