@@ -25,6 +25,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from course_lib.exercises import ExerciseFailed
 from course_lib.runtime import local_tensor
 
+
+def grad_of(parameter: torch.Tensor) -> torch.Tensor:
+    """The gradient of a parameter that has been through backward (an error if it has none)."""
+    if parameter.grad is None:
+        raise ValueError("this parameter has no gradient: run backward first")
+    return parameter.grad
+
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 # (exponent bits, mantissa bits) of the IEEE-style layouts; 1 sign bit each
@@ -82,7 +90,7 @@ def bit_fields(value: float, dtype: torch.dtype) -> tuple[str, str, str]:
     if dtype == torch.float32:
         bits = struct.unpack(">I", struct.pack(">f", stored_value(value, dtype)))[0]
     else:  # fp16 and bf16 are both 16 bits: reinterpret the stored value as int16
-        bits = torch.tensor(value, dtype=torch.float64).to(dtype).view(torch.int16).item() & 0xFFFF
+        bits = int(torch.tensor(value, dtype=torch.float64).to(dtype).view(torch.int16).item()) & 0xFFFF
     text = format(bits, f"0{1 + exponent_bits + mantissa_bits}b")
     return text[0], text[1 : 1 + exponent_bits], text[1 + exponent_bits :]
 
@@ -200,6 +208,7 @@ class DynamicLossScaler:
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         if self._found_inf is None:
             self.unscale_(optimizer)
+        assert self._found_inf is not None  # unscale_ set it
         if self._found_inf.item() == 0.0:
             optimizer.step()
         else:
@@ -304,7 +313,8 @@ def train_precision_mode(
 
     `loss_factor` (a power of two) shrinks the loss, and `lr / loss_factor` undoes it: in fp32 the
     run is unchanged, but the gradients become as small as a large model's, where fp16 underflows.
-    Returns the global batch's losses (averaged over ranks) and the fraction of weight-gradient entries that came out exactly zero.
+    Returns the global batch's losses (averaged over ranks) and the fraction of weight-gradient entries
+    that came out exactly zero.
     """
     from course_lib.models import MLP
 
@@ -319,7 +329,7 @@ def train_precision_mode(
             loss = nn.functional.mse_loss(model(x), y)
         scaled = loss * loss_factor
         (scaler.scale(scaled) if scaler else scaled).backward()
-        weights = [p.grad for p in model.parameters() if p.dim() == 2]
+        weights = [grad_of(p) for p in model.parameters() if p.dim() == 2]
         # the global batch's loss and zeroed fraction: the same number on every rank
         logged = torch.tensor(
             [loss.item(), sum(int((g == 0).sum()) for g in weights) / sum(g.numel() for g in weights)],
@@ -328,7 +338,7 @@ def train_precision_mode(
         )
         if world > 1:
             # what DDP does during backward: average the gradients (one flat all-reduce, with the log values)
-            grads = [p.grad for p in model.parameters()]
+            grads = [grad_of(p) for p in model.parameters()]
             flat = torch.cat([g.flatten().double() for g in grads] + [logged])
             dist.all_reduce(flat)
             flat /= world
@@ -427,7 +437,7 @@ def inspect_fsdp2_mixed_precision(
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
-    seen = {}
+    seen: dict[str, torch.dtype] = {}
 
     def before_forward(module, args):  # runs after FSDP2's own pre-forward hook has gathered the weight
         seen["gathered weight"] = module.weight.dtype
@@ -443,6 +453,7 @@ def inspect_fsdp2_mixed_precision(
         out = model(x)
         nn.functional.mse_loss(out.float(), y).backward()
     first = model[0].weight
+    assert isinstance(first, torch.Tensor)
     return {
         "sharded parameter": DTYPE_NAMES[first.dtype],
         "all_gather input": sorted({dtype for name, dtype, _ in calls if name == "all_gather_single"}),
@@ -450,7 +461,7 @@ def inspect_fsdp2_mixed_precision(
         "layer input": DTYPE_NAMES[seen["layer input"]],
         "layer output": DTYPE_NAMES[seen["layer output"]],
         "reduce_scatter input": sorted({dtype for name, dtype, _ in calls if name == "reduce_scatter_single"}),
-        "sharded gradient": DTYPE_NAMES[first.grad.dtype],
+        "sharded gradient": DTYPE_NAMES[grad_of(first).dtype],
         "reduce-scattered bytes": sum(b for name, _, b in calls if name == "reduce_scatter_single"),
     }
 
@@ -479,7 +490,7 @@ class MixedPrecisionTrainer:
             loss = nn.functional.mse_loss(self.model(x), y)
         self.scaler.scale(loss * self.loss_scale).backward()  # (1) scaled twice
         nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)  # (2) clips scaled gradients
-        finite = all(torch.isfinite(p.grad).all() for p in self.model.parameters())
+        finite = all(torch.isfinite(grad_of(p)).all() for p in self.model.parameters())
         self.loss_scale = self.loss_scale * 2 if finite else self.loss_scale / 2
         self.scaler.step(self.optimizer)
         self.scaler.update(new_scale=2.0**16)  # (3) overrides the backoff
@@ -531,7 +542,8 @@ def check_found_inf(fn: Callable[[list[torch.Tensor]], torch.Tensor]) -> None:
             got = fn(grads)
             got = got.detach().cpu() if isinstance(got, torch.Tensor) else torch.tensor(float(got))
             if got.numel() != 1 or float(got) != expected:
-                wrong = f"case '{description}': expected {expected}, got {got.flatten().tolist() if got.numel() > 1 else float(got)}"
+                shown = got.flatten().tolist() if got.numel() > 1 else float(got)
+                wrong = f"case '{description}': expected {expected}, got {shown}"
             elif not all(torch.equal(g.nan_to_num(), o.nan_to_num()) for g, o in zip(grads, originals)):
                 wrong = f"case '{description}': the check changed the gradients; it should only read them"
         except Exception as error:

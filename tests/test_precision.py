@@ -12,11 +12,9 @@ import torch
 
 from course_lib import precision
 from course_lib.exercises import check
-from course_lib.launcher import launch
 from course_lib.models import MLP
-
-QUIET = dict(write=lambda text, stream: None)
-
+from tests.rank_programs import precision as rank_programs
+from tests.rank_programs import run
 
 # ------------------------------------------------------------------------------------------------
 # one process
@@ -25,6 +23,23 @@ QUIET = dict(write=lambda text, stream: None)
 
 def test_number_formats():
     rows = {r["dtype"]: r for r in precision.finfo_table()}
+    dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+    assert list(rows) == list(dtypes)
+
+    def stored(value, dtype):  # what the format really keeps of a value (through float64, exact for these)
+        return torch.tensor(value, dtype=torch.float64).to(dtype).item()
+
+    for name, r in rows.items():
+        dtype, e, m = dtypes[name], r["exponent bits"], r["mantissa bits"]
+        # the table's bit layout is checked against what torch computes in the format, not against itself
+        assert 1 + e + m == r["bits"] == torch.finfo(dtype).bits, name
+        assert r["eps"] == 2.0**-m and stored(1.0 + 2.0**-m, dtype) == 1.0 + 2.0**-m, name
+        assert stored(1.0 + 2.0 ** -(m + 2), dtype) == 1.0, name  # below half an eps: rounds back to 1
+        assert r["smallest normal"] == 2.0 ** (2 - 2 ** (e - 1)), name
+        tiny = r["smallest subnormal"]
+        assert stored(tiny, dtype) == tiny and stored(tiny / 2, dtype) == 0.0, name  # half of it rounds to 0
+        assert stored(r["max"], dtype) == r["max"] and math.isinf(stored(r["max"] * (1 + r["eps"]), dtype)), name
+        assert r["decimal digits"] == pytest.approx((m + 1) * math.log10(2), abs=0.05), name
     assert rows["fp16"]["max"] == 65504 and rows["fp16"]["smallest subnormal"] == 2.0**-24
     assert rows["bf16"]["smallest subnormal"] == 2.0**-133 and rows["fp32"]["smallest subnormal"] == 2.0**-149
     assert precision.stored_value(2049.0, torch.float16) == 2048.0
@@ -124,73 +139,11 @@ def test_saved_activation_bytes_halve_in_bf16():
 # N ranks
 # ------------------------------------------------------------------------------------------------
 
-RANKS_BODY = r"""
-from torch.distributed.fsdp import fully_shard
-from course_lib import precision
-from course_lib.exercises import ExerciseFailed
-from course_lib.models import MLP
-
-settings = dict(init_scale=2.0**24, growth_interval=3)
-scalers = {"torch": lambda: torch.amp.GradScaler("cpu", **settings),
-           "mine": lambda: precision.DynamicLossScaler(**settings),
-           "naive": lambda: precision.DynamicLossScaler(**settings, sync_found_inf=False)}
-batches = precision.rank_batches(16, 48, device)
-runs, params = {}, {}
-for name, make in scalers.items():
-    model = MLP()
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    # step 10: an overflow on the last rank only; step 12: on rank 0 only
-    # no clipping here: clip_grad_norm_ over DTensor gradients all-reduces the norm, which would hide the
-    # naive scaler's disagreement (an inf norm zeroes every rank's update)
-    runs[name] = precision.amp_training_loop(model, optimizer, make(), batches, poison={10: world_size - 1, 12: 0})
-    params[name] = [precision.local_tensor(p.detach()).clone() for p in model.parameters()]
-params_equal = all(torch.equal(a, b) for a, b in zip(params["torch"], params["mine"]))
-scales = {name: run["scales"] for name, run in runs.items()}
-skipped = {name: run["skipped"] for name, run in runs.items()}
-
-policy = precision.inspect_fsdp2_mixed_precision(torch.bfloat16, torch.float32)
-
-# the exercise checker: the reference passes, wrong answers fail with a message about the case
-def local_only(grads):
-    return torch.tensor(float(any(not torch.isfinite(g).all() for g in grads)))
-
-def summed(grads):
-    found = torch.tensor(float(any(not torch.isfinite(g).all() for g in grads)))
-    dist.all_reduce(found)
-    return found
-
-def misses_nan(grads):
-    found = torch.tensor(float(any(torch.isinf(g).any() for g in grads)))
-    dist.all_reduce(found, op=dist.ReduceOp.MAX)
-    return found
-
-def cleans_gradients(grads):
-    found = precision.solution_found_inf(grads)
-    for g in grads:
-        g.nan_to_num_(posinf=0.0, neginf=0.0)
-    return found
-
-verdicts = {}
-for candidate in (precision.solution_found_inf, precision.found_inf_across_ranks, local_only, summed, misses_nan,
-                  cleans_gradients):
-    try:
-        precision.check_found_inf(candidate)
-        verdicts[candidate.__name__] = "passed"
-    except ExerciseFailed as failure:
-        verdicts[candidate.__name__] = str(failure)
-"""
-
 
 @pytest.mark.parametrize("nproc", [2, 3, 4])
 def test_scaler_equals_gradscaler_on_sharded_ranks(nproc):
-    run = launch(
-        RANKS_BODY, nproc, backend="gloo", out=["scales", "skipped", "params_equal", "policy", "verdicts"], **QUIET
-    )
-    values = run.values
+    results = run(rank_programs.scalers_on_sharded_ranks, nproc)
+    values = {key: [r[key] for r in results] for key in ("scales", "skipped", "params_equal", "policy", "verdicts")}
     for rank in range(nproc):
         scales, skipped = values["scales"][rank], values["skipped"][rank]
         assert scales["mine"] == scales["torch"], f"rank {rank}: scale trajectories differ"

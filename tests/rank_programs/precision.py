@@ -1,0 +1,82 @@
+"""Rank programs of tests/test_precision.py: the loss scaler on FSDP2-sharded ranks, and the exercise checker."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+from course_lib import precision
+from course_lib.exercises import ExerciseFailed
+from course_lib.models import MLP
+
+# Answers to the exercise that the checker must reject, each for its own reason.
+
+
+def local_only(grads: list[torch.Tensor]) -> torch.Tensor:
+    return torch.tensor(float(any(not torch.isfinite(g).all() for g in grads)))
+
+
+def summed(grads: list[torch.Tensor]) -> torch.Tensor:
+    found = torch.tensor(float(any(not torch.isfinite(g).all() for g in grads)))
+    dist.all_reduce(found)
+    return found
+
+
+def misses_nan(grads: list[torch.Tensor]) -> torch.Tensor:
+    found = torch.tensor(float(any(torch.isinf(g).any() for g in grads)))
+    dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    return found
+
+
+def cleans_gradients(grads: list[torch.Tensor]) -> torch.Tensor:
+    found = precision.solution_found_inf(grads)
+    for g in grads:
+        g.nan_to_num_(posinf=0.0, neginf=0.0)
+    return found
+
+
+def scalers_on_sharded_ranks(rank: int, world_size: int) -> dict:
+    """GradScaler, DynamicLossScaler and the naive scaler on an FSDP2 MLP; the FSDP2 policy; checker verdicts."""
+    device = torch.device("cpu")
+    settings = dict(init_scale=2.0**24, growth_interval=3)
+    scalers = {
+        "torch": lambda: torch.amp.GradScaler("cpu", **settings),
+        "mine": lambda: precision.DynamicLossScaler(**settings),
+        "naive": lambda: precision.DynamicLossScaler(**settings, sync_found_inf=False),
+    }
+    batches = precision.rank_batches(16, 48, device)
+    runs, params = {}, {}
+    for name, make in scalers.items():
+        model = MLP()
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        # step 10: an overflow on the last rank only; step 12: on rank 0 only
+        # no clipping here: clip_grad_norm_ over DTensor gradients all-reduces the norm, which would hide the
+        # naive scaler's disagreement (an inf norm zeroes every rank's update)
+        runs[name] = precision.amp_training_loop(model, optimizer, make(), batches, poison={10: world_size - 1, 12: 0})
+        params[name] = [precision.local_tensor(p.detach()).clone() for p in model.parameters()]
+    verdicts = {}
+    for candidate in (
+        precision.solution_found_inf,
+        precision.found_inf_across_ranks,
+        local_only,
+        summed,
+        misses_nan,
+        cleans_gradients,
+    ):
+        try:
+            precision.check_found_inf(candidate)
+            verdicts[candidate.__name__] = "passed"
+        except ExerciseFailed as failure:
+            verdicts[candidate.__name__] = str(failure)
+    return {
+        "scales": {name: run["scales"] for name, run in runs.items()},
+        "skipped": {name: run["skipped"] for name, run in runs.items()},
+        "params_equal": all(torch.equal(a, b) for a, b in zip(params["torch"], params["mine"])),
+        "policy": precision.inspect_fsdp2_mixed_precision(torch.bfloat16, torch.float32),
+        "verdicts": verdicts,
+    }
