@@ -230,7 +230,7 @@ class AsyncCheckpointer:
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root)
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-        self.pending = None  # (future, partial, final)
+        self.pending: tuple[Any, Path, Path] | None = None  # (future, partial, final)
 
     def save(self, step: int, app: AppState) -> None:
         import torch.distributed.checkpoint as dcp
@@ -325,7 +325,9 @@ def save_sharded(root: str | os.PathLike, step: int, state: dict[str, Any], *, n
 
     rank, world_size = _rank_world(no_dist)
     partial, final = _prepare(Path(root), step, no_dist)
-    mine, objects, entries = {}, {}, {}
+    mine: dict[str, torch.Tensor] = {}
+    objects: dict[str, Any] = {}
+    entries: dict[str, dict[str, Any]] = {}
     for name, value in _flatten(_materialize(state)).items():
         if isinstance(value, DTensor):
             start, stop = shard_rows(value.shape[0], world_size, rank)
@@ -336,7 +338,7 @@ def save_sharded(root: str | os.PathLike, step: int, state: dict[str, Any], *, n
                     "(only dim-0 sharding over the whole world is supported)"
                 )
             mine[name] = local.detach().cpu().clone()
-            chunks = [
+            chunks: list[dict[str, Any]] = [
                 {"file": f"shard_{r}.pt", "rows": list(shard_rows(value.shape[0], world_size, r))}
                 for r in range(world_size)
             ]
@@ -358,7 +360,7 @@ def save_sharded(root: str | os.PathLike, step: int, state: dict[str, Any], *, n
     with open(shard, "rb+") as f:
         os.fsync(f.fileno())  # on disk before the commit can claim it is
     info = {"file": shard.name, "bytes": shard.stat().st_size, "sha256": _sha256(shard)}
-    files = [None] * world_size
+    files: list[Any] = [None] * world_size
     if world_size > 1:
         dist.all_gather_object(files, info)
     else:
@@ -641,6 +643,7 @@ def time_saves(
             if mode == "sync":
                 dcp_save(root, app.step, app)
             else:
+                assert checkpointer is not None
                 checkpointer.save(app.step, app)
             times["blocked"].append(time.perf_counter() - save_begin)
         times["step"].append(time.perf_counter() - begin)
@@ -660,7 +663,7 @@ def _exercise_fixtures(base: Path) -> list[tuple[str, Path, str | None]]:
     def save(root: Path, step: int) -> Path:
         return save_sharded(root, step, {"weights": torch.arange(6.0) + step, "step": step}, no_dist=True)
 
-    cases = []
+    cases: list[tuple[str, Path, str | None]] = []
     root = base / "newest_truncated"
     for step in (2, 9, 10):
         save(root, step)

@@ -16,70 +16,38 @@ from course_lib import checkpoint as ck
 from course_lib.exercises import check
 from course_lib.launcher import launch
 from course_lib.models import MLP
+from tests.rank_programs import checkpoint as rank_programs
+from tests.rank_programs import run
 
 QUIET = dict(write=lambda text, stream: None)
-
-# Trains 2 steps (or loads), compares with the full snapshot, saves in both formats.
-RESHARD_BODY = r"""
-from pathlib import Path
-import torch.distributed.checkpoint as dcp
-from course_lib import checkpoint as ck
-from course_lib.data import regression
-
-root = Path(root)
-model = ck.sharded_mlp(seed=7)      # a different start: loading must overwrite all of it
-optimizer = ck.make_optimizer(model)
-app = ck.AppState(model, optimizer)
-ours, theirs = ck.AppState(ck.sharded_mlp(seed=8), None), None
-if source is None:                 # the first job: train, then save the full snapshot and both sharded formats
-    data = regression(n=480)
-    for step in range(2):
-        ck.train_step(model, optimizer, *ck.batch_for_step(data, step, 48, rank, world_size))
-    app.step = 2
-    ck.save_full_snapshot(root / "snapshot.pt", model, optimizer, step=2)
-    files_read = {}
-else:                              # a later job with another world size: load both formats
-    ck.dcp_load(root / f"dcp_{source}" / "step_2", app)
-    dcp_state = ck.full_state(model, optimizer)
-    mine_model = ck.sharded_mlp(seed=9)
-    mine_optimizer = ck.make_optimizer(mine_model)
-    mine = ck.AppState(mine_model, mine_optimizer)
-    files_read = ck.load_sharded(root / f"mine_{source}" / "step_2", {"app": mine})
-    mine_state = ck.full_state(mine_model, mine_optimizer)
-    snapshot_model = ck.sharded_mlp(seed=10)
-    snapshot_optimizer = ck.make_optimizer(snapshot_model)
-    assert ck.load_full_snapshot(root / "snapshot.pt", snapshot_model, snapshot_optimizer) == 2
-    snapshot_state = ck.full_state(snapshot_model, snapshot_optimizer)
-    if rank == 0:
-        expected = torch.load(root / "snapshot.pt", weights_only=True)
-        expected = ck.flat_tensors({"model": expected["model"], "optimizer": expected["optimizer"]})
-        assert ck.differing(dcp_state, expected) == [], ck.differing(dcp_state, expected)
-        assert ck.differing(mine_state, expected) == [], ck.differing(mine_state, expected)
-        assert ck.differing(snapshot_state, expected) == [], ck.differing(snapshot_state, expected)
-    assert app.step == mine.step == 2
-ck.dcp_save(root / f"dcp_{world_size}", 2, app)
-ck.save_sharded(root / f"mine_{world_size}", 2, {"app": app})
-ok = True
-"""
 
 
 def test_resharding_4_to_2_to_3_and_to_one_process(tmp_path):
     for nproc, source in ((4, None), (2, 4), (3, 2)):
-        result = launch(
-            RESHARD_BODY,
-            nproc,
-            backend="gloo",
-            out=["ok", "files_read"],
-            timeout=120,
-            push={"root": str(tmp_path), "source": source},
-            **QUIET,
-        )
-        assert result.values["ok"] == [True] * nproc
+        results = run(rank_programs.reshard, nproc, kwargs={"root": str(tmp_path), "source": source}, timeout=120)
+        if source is None:
+            continue
+        # rank 0 gathered every loaded state: bitwise equal to the full snapshot, tensor by tensor
+        assert results[0]["compared"] == 40  # the model's 8 tensors and their Adam state (step, exp_avg, exp_avg_sq)
+        assert results[0]["differing"] == {"dcp": [], "mine": [], "snapshot": []}
+        for rank, got in enumerate(results):
+            assert got["steps"] == {"dcp": 2, "mine": 2, "snapshot": 2}, rank
         if source == 4:  # 4 -> 2: rank 0 reads saved shards 0 and 1 of a 64-row weight, rank 1 reads 2 and 3
-            assert result.values["files_read"][0]["app/model/0.weight"] == ["shard_0.pt", "shard_1.pt"]
-            assert result.values["files_read"][1]["app/model/0.weight"] == ["shard_2.pt", "shard_3.pt"]
+            assert results[0]["files_read"]["app/model/0.weight"] == ["shard_0.pt", "shard_1.pt"]
+            assert results[1]["files_read"]["app/model/0.weight"] == ["shard_2.pt", "shard_3.pt"]
+        else:  # 2 -> 3: the middle rank straddles the boundary of the two saved shards
+            assert [r["files_read"]["app/model/0.weight"] for r in results] == [
+                ["shard_0.pt"],
+                ["shard_0.pt", "shard_1.pt"],
+                ["shard_1.pt"],
+            ]
     snapshot = torch.load(tmp_path / "snapshot.pt", weights_only=True)
-    assert ck.files_of(tmp_path / "mine_3" / "step_2") == sorted(ck.files_of(tmp_path / "mine_3" / "step_2"))
+    assert [n for n, _ in ck.files_of(tmp_path / "mine_3" / "step_2")] == [
+        "metadata.json",
+        "shard_0.pt",
+        "shard_1.pt",
+        "shard_2.pt",
+    ]
     assert [n for n, _ in ck.files_of(tmp_path / "dcp_3" / "step_2")] == [
         ".metadata",
         "__0_0.distcp",
@@ -93,6 +61,7 @@ def test_resharding_4_to_2_to_3_and_to_one_process(tmp_path):
     assert template["app"]["step"] == 2
     for name, tensor in snapshot["model"].items():
         assert torch.equal(model.state_dict()[name], tensor), name
+    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 
     dcp_to_torch_save(tmp_path / "dcp_3" / "step_2", tmp_path / "exported.pt")
@@ -100,7 +69,8 @@ def test_resharding_4_to_2_to_3_and_to_one_process(tmp_path):
     for name, tensor in snapshot["model"].items():
         assert torch.equal(exported["model"][name], tensor), name
     torch_save_to_dcp(tmp_path / "exported.pt", tmp_path / "back_to_dcp")
-    assert (tmp_path / "back_to_dcp" / ".metadata").exists()
+    reimported = FileSystemReader(tmp_path / "back_to_dcp").read_metadata()
+    assert set(reimported.state_dict_metadata) >= {f"app.model.{name}" for name in snapshot["model"]}
 
 
 def small_checkpoint(root: Path, step: int) -> Path:
@@ -172,16 +142,11 @@ def test_read_plan_and_shard_rows():
             assert rows == list(range(10))
 
 
-KILL_BODY = r"""
-import os
-from course_lib import checkpoint as ck
-model, optimizer, resumed_from = ck.train_resumable(root + "/run", total_steps=12, every=4, kill_at=6,
-                                                    log=root + "/log.jsonl")
-attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-reference_model, reference_optimizer, _ = ck.train_resumable(root + f"/reference_{rank}_{attempt}", total_steps=12,
-                                                             every=100)
-bitwise_equal = torch.equal(ck.local_state(model, optimizer), ck.local_state(reference_model, reference_optimizer))
-"""
+# The body of each rank: a rank that kills itself needs the launcher's restart, so the test launches it directly.
+KILL_BODY = (
+    "from tests.rank_programs.checkpoint import kill_and_resume\n"
+    "result = kill_and_resume(rank, world_size, root=root)\n"
+)
 
 
 @pytest.mark.parametrize("nproc", [3])
@@ -193,12 +158,13 @@ def test_kill_and_resume_is_bitwise_equal_to_uninterrupted(tmp_path, nproc):
         max_restarts=1,
         timeout=180,
         push={"root": str(tmp_path)},
-        out=["bitwise_equal", "resumed_from"],
+        out=["result"],
         **QUIET,
     )
     assert len(result.attempts) == 2
-    assert result.values["resumed_from"] == [4] * nproc  # the checkpoint of step 4, not 8 (never reached)
-    assert result.values["bitwise_equal"] == [True] * nproc
+    results = result.values["result"]
+    assert [r["resumed_from"] for r in results] == [4] * nproc  # the checkpoint of step 4, not 8 (never reached)
+    assert [r["bitwise_equal"] for r in results] == [True] * nproc
     log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert [(e["attempt"], e["step"]) for e in log] == [(0, s) for s in range(6)] + [(1, s) for s in range(4, 12)]
     # steps 4 and 5 ran twice, from the same state: the same loss bit for bit
