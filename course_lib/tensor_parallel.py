@@ -20,6 +20,7 @@ input is not yet split, and its reverse.
 from __future__ import annotations
 
 from collections import Counter
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,9 @@ from torch import nn
 from course_lib.exercises import ExerciseFailed
 from course_lib.models import Attention, TransformerBlock
 from course_lib.runtime import local_tensor
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 # Collectives issued by the from-scratch operators, by name and direction ("forward all_reduce": 2, ...).
 COMMS: Counter = Counter()
@@ -203,7 +207,7 @@ class ParallelAttention(nn.Module):
 
     def forward(self, x):
         # one f for q, k and v together: a single all-reduce of their summed input gradients
-        return Attention.forward(self, CopyToParallel.apply(x, self.group))
+        return Attention.forward(self, CopyToParallel.apply(x, self.group))  # type: ignore[arg-type]  # same fields
 
 
 class ParallelTransformerBlock(nn.Module):
@@ -221,7 +225,7 @@ class ParallelTransformerBlock(nn.Module):
 # ---- torch's API --------------------------------------------------------------------------------------
 
 
-def tp_plan(sequence_parallel: bool = False) -> dict:
+def tp_plan(sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
     """parallelize_module plan for TransformerBlock: q/k/v/up column-wise, o/down row-wise.
 
     With sequence_parallel the norms (and the dropout between them) work on a slice of the sequence:
@@ -231,19 +235,18 @@ def tp_plan(sequence_parallel: bool = False) -> dict:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
-    plan = {f"attention.{name}": ColwiseParallel() for name in "qkv"}
+    plan: dict[str, ParallelStyle] = {f"attention.{name}": ColwiseParallel() for name in "qkv"}
     plan["feed_forward.up"] = ColwiseParallel()
     if not sequence_parallel:
         plan["attention.o"] = RowwiseParallel()
         plan["feed_forward.down"] = RowwiseParallel()
         return plan
-    gather = dict(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     plan.update(
         {
             "norm1": SequenceParallel(),
             "norm2": SequenceParallel(),
-            "attention": PrepareModuleInput(**gather),
-            "feed_forward": PrepareModuleInput(**gather),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             "attention.o": RowwiseParallel(output_layouts=Shard(1)),
             "feed_forward.down": RowwiseParallel(output_layouts=Shard(1)),
         }
@@ -251,7 +254,7 @@ def tp_plan(sequence_parallel: bool = False) -> dict:
     return plan
 
 
-def torch_parallel_block(mesh, sequence_parallel: bool = False, **block_args) -> TransformerBlock:
+def torch_parallel_block(mesh, sequence_parallel: bool = False, **block_args) -> nn.Module:
     from torch.distributed.tensor.parallel import parallelize_module
 
     heads = block_args.get("n_heads", 12)
@@ -261,10 +264,14 @@ def torch_parallel_block(mesh, sequence_parallel: bool = False, **block_args) ->
 
 def full_gradients(block: nn.Module) -> dict[str, torch.Tensor]:
     """Parameter gradients of a (possibly DTensor-parallelized) block, gathered into full tensors."""
-    return {
-        name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
-        for name, p in block.named_parameters()
-    }
+    from torch.distributed.tensor import DTensor
+
+    grads = {}
+    for name, p in block.named_parameters():
+        if p.grad is None:
+            raise ValueError(f"{name} has no gradient: run backward first")
+        grads[name] = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+    return grads
 
 
 def shard_of(full: torch.Tensor, name: str, rank: int, world_size: int) -> torch.Tensor:
@@ -314,6 +321,7 @@ def check_split_backward(fn) -> None:
     full = nn.Linear(12 * n, 5)
     x = torch.randn(3, 12 * n, requires_grad=True)
     full(x).pow(2).sum().backward()
+    assert x.grad is not None
     expected = x.grad.clone()
 
     def checked(grad_slice):
