@@ -145,7 +145,8 @@ def main() -> None:
         for schedule in ("GPipe", "1F1B"):
             ours, theirs = (statistics.median(times[(schedule, who)]) for who in ("ours", "torch"))
             print(
-                f"{schedule:6} ours {1e3 * ours:7.1f} ms   torch {1e3 * theirs:7.1f} ms   ours / torch = {ours / theirs:.2f}"
+                f"{schedule:6} ours {1e3 * ours:7.1f} ms   torch {1e3 * theirs:7.1f} ms   "
+                f"ours / torch = {ours / theirs:.2f}"
             )
 
 

@@ -15,7 +15,7 @@ in ``recv``, waiting for data that some earlier action of another rank produces.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -25,14 +25,25 @@ from torch import nn
 from course_lib.exercises import ExerciseFailed
 from course_lib.models import MLP
 
+
+def grad_of(parameter: torch.Tensor) -> torch.Tensor:
+    """The gradient of a tensor that has been through backward (an error if it has none)."""
+    if parameter.grad is None:
+        raise ValueError("this tensor has no gradient: run backward first")
+    return parameter.grad
+
+
 SCHEDULES = ("GPipe", "1F1B", "interleaved 1F1B")
 
 
 # ---- the model, cut into stages ----------------------------------------------
 
 
-def course_model(n_units: int = 8, width: int = 64, seed: int = 0) -> MLP:
-    """The shared MLP with `n_units` pieces to distribute: n_units - 1 Linear+GELU blocks and the head."""
+def course_model(n_units: int = 16, width: int = 64, seed: int = 0) -> MLP:
+    """The shared MLP with `n_units` pieces to distribute: n_units - 1 Linear+GELU blocks and the head.
+
+    16 pieces: enough for two virtual stages on each of up to 8 ranks (interleaved 1F1B).
+    """
     return MLP(d_in=width, d_hidden=width, d_out=8, n_layers=n_units - 1, seed=seed)
 
 
@@ -156,7 +167,7 @@ class Event(NamedTuple):
 class Deadlock(RuntimeError):
     """No rank can take its next action: each waits for one that will never run."""
 
-    def __init__(self, message: str, waiting: dict[int, tuple[Action, Action]]):
+    def __init__(self, message: str, waiting: dict[int, tuple[Action, Action | None]]):
         super().__init__(message)
         self.waiting = waiting  # rank -> (its next action, the action it waits for)
 
@@ -308,7 +319,7 @@ def _tag(action_kind: str, microbatch: int, stage: int, n_microbatches: int) -> 
 
 def execute(
     actions: Sequence[Action],
-    modules: dict[int, nn.Module],
+    modules: Mapping[int, nn.Module],
     n_stages: int,
     inputs: Sequence[torch.Tensor],
     targets: Sequence[torch.Tensor],
@@ -344,9 +355,14 @@ def execute(
     pending: list = []  # isend handles (their tensors must stay alive until sent)
     pipeline_rank = stage_ranks.index(dist.get_rank())
 
+    here: dict[int, torch.Tensor] = {}  # results for a stage on this same rank (one rank, or interleaved): no message
+
     def receive(kind: str, mb: int, src_stage: int) -> torch.Tensor:
+        tag = _tag(kind, mb, src_stage, m)
+        if src_stage % n_ranks == pipeline_rank:
+            return here.pop(tag)
         buf = torch.empty(*activation_shape, device=wire)
-        dist.recv(buf, src=stage_ranks[src_stage % n_ranks], tag=_tag(kind, mb, src_stage, m), group=group)
+        dist.recv(buf, src=stage_ranks[src_stage % n_ranks], tag=tag, group=group)
         return buf.to(device)
 
     for action in actions:
@@ -378,7 +394,9 @@ def execute(
             time.sleep(max(0.0, start + min_seconds[kind] - time.perf_counter()))
         events.append(Event(pipeline_rank, action, start, time.perf_counter()))
         # 3. pass the result on without waiting for it to arrive
-        if result is not None:
+        if result is not None and to_stage % n_ranks == pipeline_rank:
+            here[_tag(kind, mb, stage, m)] = result.detach().clone()
+        elif result is not None:
             payload = result.to(wire)
             work = dist.isend(payload, dst=stage_ranks[to_stage % n_ranks], tag=_tag(kind, mb, stage, m), group=group)
             pending.append((work, payload))
@@ -419,7 +437,7 @@ def naive_model_parallel(
         loss_tensor.backward()
         loss = loss_tensor.item()
     if not first:
-        dist.send(inp.grad, dst=rank - 1)  # d loss / d input is the previous rank's d loss / d out
+        dist.send(grad_of(inp), dst=rank - 1)  # d loss / d input is the previous rank's d loss / d out
     return loss
 
 
@@ -433,7 +451,7 @@ def reference_gradients(
     model.zero_grad()
     loss = loss_fn(model(x), y)
     loss.backward()
-    return loss.item(), [p.grad.clone() for p in model.parameters()]
+    return loss.item(), [grad_of(p).clone() for p in model.parameters()]
 
 
 def stage_gradients(stages: Sequence[nn.Module]) -> list[torch.Tensor]:
@@ -448,7 +466,7 @@ def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(output, target)
 
 
-def local_stages(model: nn.Sequential, rank: int, n_ranks: int, n_virtual: int = 1) -> dict[int, nn.Module]:
+def local_stages(model: nn.Sequential, rank: int, n_ranks: int, n_virtual: int = 1) -> dict[int, nn.Sequential]:
     """The stages rank `rank` holds when `model` is cut into n_ranks * n_virtual stages: rank, rank + p, ..."""
     stages = split_into_stages(model, n_ranks * n_virtual)
     return {s: stages[s] for s in range(rank, n_ranks * n_virtual, n_ranks)}
@@ -466,10 +484,10 @@ def reference_stage_gradients(
     return loss, by_stage
 
 
-def max_gradient_error(modules: dict[int, nn.Module], expected: dict[int, list[torch.Tensor]]) -> float:
+def max_gradient_error(modules: Mapping[int, nn.Module], expected: dict[int, list[torch.Tensor]]) -> float:
     """Largest |difference| between the stage modules' gradients and the expected ones."""
     return max(
-        float((p.grad - g).abs().max())
+        float((grad_of(p) - g).abs().max())
         for s, module in modules.items()
         for p, g in zip(module.parameters(), expected[s])
     )
@@ -486,7 +504,7 @@ def pipeline_step(
     n_virtual: int = 2,
     min_seconds: dict[str, float] | None = None,
     group: dist.ProcessGroup | None = None,
-) -> tuple[RunRecord, dict[int, nn.Module]]:
+) -> tuple[RunRecord, dict[int, nn.Sequential]]:
     """One from-scratch training step of `schedule` on this rank: (its record, its stage modules).
 
     Ranks not in `stage_ranks` (default: all) must not call it. `min_seconds` is
@@ -502,7 +520,8 @@ def pipeline_step(
     xs, ys = list(x.chunk(n_microbatches)), list(y.chunk(n_microbatches))
     if min_seconds:
         min_seconds = {kind: seconds / v for kind, seconds in min_seconds.items()}
-    shape = (xs[0].shape[0], next(iter(modules.values()))[0].in_features)
+    first_linear = next(m for m in next(iter(modules.values())) if isinstance(m, nn.Linear))
+    shape = (xs[0].shape[0], first_linear.in_features)  # every activation between stages
     record = execute(
         actions, modules, p * v, xs, ys, loss_fn, shape, stage_ranks=stage_ranks, min_seconds=min_seconds, group=group
     )
@@ -518,17 +537,22 @@ def torch_pipeline_step(
     model: nn.Sequential | None = None,
     group: dist.ProcessGroup | None = None,
     n_virtual: int = 2,
-) -> tuple[list[float], dict[int, nn.Module]]:
+) -> tuple[list[float], dict[int, nn.Sequential]]:
     """The same step with torch.distributed.pipelining: (micro-batch losses on the last rank, stage modules)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
     rank, p = dist.get_rank(group), dist.get_world_size(group)
     v = n_virtual if schedule == "interleaved 1F1B" else 1
     modules = local_stages(model if model is not None else course_model(), rank, p, v)
-    device = next(iter(modules.values()))[0].weight.device
+    device = next(next(iter(modules.values())).parameters()).device
     stages = [PipelineStage(module, s, p * v, device, group=group) for s, module in modules.items()]
     if schedule == "interleaved 1F1B":
-        runner = ScheduleInterleaved1F1B(stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
+        runner: PipelineScheduleMulti | PipelineScheduleSingle = ScheduleInterleaved1F1B(
+            stages,  # type: ignore[arg-type]  # a list of PipelineStage is a list of _PipelineStageBase
+            n_microbatches=n_microbatches,
+            loss_fn=loss_fn,
+        )
     else:
         kind = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[schedule]
         runner = kind(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
@@ -627,7 +651,7 @@ def _run_and_compare(actions: Sequence[Action], p: int, m: int) -> None:
     execute(actions, {rank: mine}, p, list(x.chunk(m)), list(y.chunk(m)), nn.functional.mse_loss, (4, 64))
     offset = sum(len(list(s.parameters())) for s in stages[:rank])
     for i, param in enumerate(mine.parameters()):
-        if not torch.allclose(param.grad, expected[offset + i], atol=1e-6, rtol=1e-4):
+        if not torch.allclose(grad_of(param), expected[offset + i], atol=1e-6, rtol=1e-4):
             raise ExerciseFailed(f"stage {rank}: gradient of parameter {i} differs from single-process training")
 
 

@@ -1,14 +1,12 @@
-"""course_lib.pipeline: schedules on paper, from-scratch pipelines on real gloo ranks, torch's schedules, the exercise."""
+"""course_lib.pipeline: schedules on paper, from-scratch pipelines on real gloo ranks, torch's schedules, exercise."""
 
 import pytest
 import torch
 
 from course_lib import pipeline as pp
 from course_lib.exercises import check
-from course_lib.launcher import launch
-
-QUIET = dict(write=lambda text, stream: None)
-
+from tests.rank_programs import pipeline as rank_programs
+from tests.rank_programs import run
 
 # ---- on paper (no processes) ----------------------------------------------------------
 
@@ -91,7 +89,7 @@ def test_validate_rejects_missing_and_misplaced_actions():
         pp.validate(actions, 2, 3)
 
 
-@pytest.mark.parametrize("n_stages", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("n_stages", [1, 2, 3, 5, 8, 16])
 def test_split_into_stages_is_the_whole_model(n_stages):
     model = pp.course_model()
     stages = pp.split_into_stages(model, n_stages)
@@ -101,70 +99,22 @@ def test_split_into_stages_is_the_whole_model(n_stages):
         out = stage(out)
     assert torch.equal(out, model(x))
     sizes = [sum(isinstance(m, torch.nn.Linear) for m in s) for s in stages]
-    assert max(sizes) - min(sizes) <= 1 and sum(sizes) == 8
+    assert max(sizes) - min(sizes) <= 1 and sum(sizes) == 16
     assert pp.stage_boundaries(model, n_stages)[0] == 0
+
+
+def test_split_refuses_more_stages_than_layers():
+    with pytest.raises(ValueError, match="cannot cut 16 Linear layers into 17 stages"):
+        pp.split_into_stages(pp.course_model(), 17)
 
 
 # ---- real ranks -------------------------------------------------------------------------
 
-EQUALITY_BODY = """
-from course_lib import pipeline as pp
-torch.manual_seed(1)
-x, y = torch.randn(48, 64), torch.randn(48, 8)
-report = []
-for p in range(2, world_size + 1):
-    group = dist.new_group(list(range(p)))  # every rank must create every group
-    if rank < p:
-        for schedule in pp.SCHEDULES:
-            v = 2 if schedule == "interleaved 1F1B" else 1
-            # torch's Schedule1F1B needs m >= p; interleaved here needs m to be a multiple of p
-            for m in {"GPipe": (1, 4, 12), "1F1B": (4, 12), "interleaved 1F1B": (p, 4 * p)}[schedule]:
-                ref_loss, expected = pp.reference_stage_gradients(pp.course_model(), p * v, x, y)
-                record, ours = pp.pipeline_step(schedule, m, x, y, stage_ranks=range(p))
-                torch_losses, theirs = pp.torch_pipeline_step(schedule, m, x, y, group=group)
-                versus_torch = max(float((a.grad - b.grad).abs().max()) for s in ours
-                                   for a, b in zip(ours[s].parameters(), theirs[s].parameters()))
-                mean_loss = sum(record.losses.values()) / m if record.losses else None
-                report.append(dict(p=p, schedule=schedule, m=m, versus_single=pp.max_gradient_error(ours, expected),
-                                   versus_torch=versus_torch, mean_loss=mean_loss, ref_loss=ref_loss,
-                                   torch_losses=torch_losses, our_losses=[record.losses.get(i) for i in range(m)],
-                                   peak=record.peak, expected_peak=pp.peak_in_flight(
-                                       pp.schedule_actions(schedule, p, m)[rank])))
-    dist.barrier()
-
-# messages through a separate gloo group (the path NCCL jobs take)
-side = dist.new_group(backend="gloo")
-ref_loss, expected = pp.reference_stage_gradients(pp.course_model(), world_size, x, y)
-record, ours = pp.pipeline_step("1F1B", 8, x, y, group=side)
-side_group_error = pp.max_gradient_error(ours, expected)
-
-# naive model parallelism over all ranks
-ref_loss, expected = pp.reference_stage_gradients(pp.course_model(), world_size, x, y)
-mine = pp.split_into_stages(pp.course_model(), world_size)[rank]
-naive_loss = pp.naive_model_parallel(mine, x, y, pp.loss_fn, (48, 64))
-naive = dict(error=pp.max_gradient_error({rank: mine}, expected), loss=naive_loss, ref_loss=ref_loss)
-
-# timings: on 2 ranks, GPipe with 8 micro-batches must idle far less than with 1
-bubbles = {}
-for m in (1, 8):
-    best = 1.0
-    for repeat in range(3):
-        dist.barrier()
-        if rank < 2:
-            record, _ = pp.pipeline_step("GPipe", m, x, y, stage_ranks=[0, 1], min_seconds={"F": 0.004, "B": 0.008})
-            both = [None, None]
-            dist.all_gather_object(both, record.events, group=pair)
-            best = min(best, pp.bubble_fraction(both[0] + both[1], 2))
-    bubbles[m] = best
-"""
-
 
 @pytest.fixture(scope="module")
 def four_rank_run():
-    body = "pair = dist.new_group([0, 1])\n" + EQUALITY_BODY
-    return launch(
-        body, 4, backend="gloo", timeout=240, out=["report", "naive", "bubbles", "side_group_error"], **QUIET
-    ).values
+    results = run(rank_programs.equality, 4, timeout=240)
+    return {key: [r[key] for r in results] for key in ("report", "naive", "bubbles", "side_group_error")}
 
 
 def test_from_scratch_equals_single_process_and_torch(four_rank_run):
@@ -212,43 +162,10 @@ def test_measured_bubble_shrinks_with_microbatches(four_rank_run):
 
 # ---- the exercise --------------------------------------------------------------------------
 
-CHECKER_BODY = """
-from course_lib.exercises import ExerciseFailed
-from course_lib import pipeline as pp
-
-def reference(stage, n_stages, n_microbatches):
-    return pp.solution_one_f_one_b(stage, n_stages, n_microbatches)
-
-def gpipe_order(stage, n_stages, n_microbatches):
-    return [(a.kind, a.microbatch) for a in pp.gpipe_actions(stage, n_stages, n_microbatches)]
-
-def warmup_reversed(stage, n_stages, n_microbatches):  # deadlocks: stage 0 waits for a gradient too early
-    return [(a.kind, a.microbatch) for a in pp.one_f_one_b_actions(n_stages - 1 - stage, n_stages, n_microbatches)]
-
-def forgets_last_backward(stage, n_stages, n_microbatches):
-    return pp.solution_one_f_one_b(stage, n_stages, n_microbatches)[:-1]
-
-def backward_first(stage, n_stages, n_microbatches):
-    order = pp.solution_one_f_one_b(stage, n_stages, n_microbatches)
-    return [order[1], order[0]] + order[2:] if stage == n_stages - 1 and n_microbatches > 1 else order
-
-def strings(stage, n_stages, n_microbatches):
-    return [f"{k}{i}" for k, i in pp.solution_one_f_one_b(stage, n_stages, n_microbatches)]
-
-outcome = {}
-for fn in (reference, gpipe_order, warmup_reversed, forgets_last_backward, backward_first, strings):
-    try:
-        pp.check_one_f_one_b(fn)
-        outcome[fn.__name__] = None
-    except ExerciseFailed as error:
-        outcome[fn.__name__] = str(error)
-    dist.barrier()
-"""
-
 
 @pytest.fixture(scope="module")
 def checker_outcomes():
-    return launch(CHECKER_BODY, 3, backend="gloo", timeout=120, out=["outcome"], **QUIET).values["outcome"]
+    return run(rank_programs.checker_outcomes, 3, timeout=120)
 
 
 def test_checker_accepts_the_reference(checker_outcomes):

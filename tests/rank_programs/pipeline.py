@@ -1,0 +1,120 @@
+"""Rank programs of tests/test_pipeline.py: from-scratch pipelines against torch's, and the exercise checker."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from course_lib import pipeline as pp
+from course_lib.exercises import ExerciseFailed
+
+
+def equality(rank: int, world_size: int) -> dict:
+    """Every schedule on 2..world_size ranks against one process and torch; a side group; naive MP; timings."""
+    pair = dist.new_group([0, 1])
+    torch.manual_seed(1)
+    x, y = torch.randn(48, 64), torch.randn(48, 8)
+    report = []
+    for p in range(2, world_size + 1):
+        group = dist.new_group(list(range(p)))  # every rank must create every group
+        if rank < p:
+            for schedule in pp.SCHEDULES:
+                v = 2 if schedule == "interleaved 1F1B" else 1
+                # torch's Schedule1F1B needs m >= p; interleaved here needs m to be a multiple of p
+                for m in {"GPipe": (1, 4, 12), "1F1B": (4, 12), "interleaved 1F1B": (p, 4 * p)}[schedule]:
+                    ref_loss, expected = pp.reference_stage_gradients(pp.course_model(), p * v, x, y)
+                    record, ours = pp.pipeline_step(schedule, m, x, y, stage_ranks=range(p))
+                    torch_losses, theirs = pp.torch_pipeline_step(schedule, m, x, y, group=group)
+                    versus_torch = max(
+                        float((a.grad - b.grad).abs().max())
+                        for s in ours
+                        for a, b in zip(ours[s].parameters(), theirs[s].parameters())
+                    )
+                    report.append(
+                        dict(
+                            p=p,
+                            schedule=schedule,
+                            m=m,
+                            versus_single=pp.max_gradient_error(ours, expected),
+                            versus_torch=versus_torch,
+                            mean_loss=sum(record.losses.values()) / m if record.losses else None,
+                            ref_loss=ref_loss,
+                            torch_losses=torch_losses,
+                            our_losses=[record.losses.get(i) for i in range(m)],
+                            peak=record.peak,
+                            expected_peak=pp.peak_in_flight(pp.schedule_actions(schedule, p, m)[rank]),
+                        )
+                    )
+        dist.barrier()
+
+    # messages through a separate gloo group (the path NCCL jobs take)
+    side = dist.new_group(backend="gloo")
+    _, expected = pp.reference_stage_gradients(pp.course_model(), world_size, x, y)
+    _, ours = pp.pipeline_step("1F1B", 8, x, y, group=side)
+    side_group_error = pp.max_gradient_error(ours, expected)
+
+    # naive model parallelism over all ranks
+    ref_loss, expected = pp.reference_stage_gradients(pp.course_model(), world_size, x, y)
+    mine = pp.split_into_stages(pp.course_model(), world_size)[rank]
+    naive_loss = pp.naive_model_parallel(mine, x, y, pp.loss_fn, (48, 64))
+    naive = dict(error=pp.max_gradient_error({rank: mine}, expected), loss=naive_loss, ref_loss=ref_loss)
+
+    # timings: on 2 ranks, GPipe with 8 micro-batches must idle far less than with 1
+    bubbles = {}
+    for m in (1, 8):
+        best = 1.0
+        for _ in range(3):
+            dist.barrier()
+            if rank < 2:
+                pad = {"F": 0.004, "B": 0.008}
+                record, _ = pp.pipeline_step("GPipe", m, x, y, stage_ranks=[0, 1], min_seconds=pad)
+                both: list = [None, None]
+                dist.all_gather_object(both, record.events, group=pair)
+                best = min(best, pp.bubble_fraction(both[0] + both[1], 2))
+        bubbles[m] = best
+    return dict(report=report, naive=naive, bubbles=bubbles, side_group_error=side_group_error)
+
+
+# Answers to the exercise: the reference and wrong ones the checker must reject.
+
+
+def reference(stage: int, n_stages: int, n_microbatches: int) -> list:
+    return pp.solution_one_f_one_b(stage, n_stages, n_microbatches)
+
+
+def gpipe_order(stage: int, n_stages: int, n_microbatches: int) -> list:
+    return [(a.kind, a.microbatch) for a in pp.gpipe_actions(stage, n_stages, n_microbatches)]
+
+
+def warmup_reversed(stage: int, n_stages: int, n_microbatches: int) -> list:
+    """Deadlocks: stage 0 waits for a gradient too early."""
+    return [(a.kind, a.microbatch) for a in pp.one_f_one_b_actions(n_stages - 1 - stage, n_stages, n_microbatches)]
+
+
+def forgets_last_backward(stage: int, n_stages: int, n_microbatches: int) -> list:
+    return pp.solution_one_f_one_b(stage, n_stages, n_microbatches)[:-1]
+
+
+def backward_first(stage: int, n_stages: int, n_microbatches: int) -> list:
+    order = pp.solution_one_f_one_b(stage, n_stages, n_microbatches)
+    return [order[1], order[0], *order[2:]] if stage == n_stages - 1 and n_microbatches > 1 else order
+
+
+def strings(stage: int, n_stages: int, n_microbatches: int) -> list:
+    return [f"{k}{i}" for k, i in pp.solution_one_f_one_b(stage, n_stages, n_microbatches)]
+
+
+ANSWERS = (reference, gpipe_order, warmup_reversed, forgets_last_backward, backward_first, strings)
+
+
+def checker_outcomes(rank: int, world_size: int) -> dict:
+    """The checker's verdict on every answer on this rank: None (accepted) or its message."""
+    outcome: dict = {}
+    for fn in ANSWERS:
+        try:
+            pp.check_one_f_one_b(fn)
+            outcome[fn.__name__] = None
+        except ExerciseFailed as error:
+            outcome[fn.__name__] = str(error)
+        dist.barrier()
+    return outcome
