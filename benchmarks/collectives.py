@@ -13,6 +13,8 @@ import argparse
 import os
 import sys
 
+from _report import report  # benchmarks/ is the script's directory: on sys.path
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from course_lib import collectives, launcher
@@ -54,8 +56,10 @@ def main() -> None:
     )
     print(collectives.format_table(rows))
     ratio = ring["seconds"] / torch_ar["seconds"]
-    print(
-        f"ring_all_reduce / dist.all_reduce time = {ratio:.2f}  (goal <= 2.0: {'met' if ratio <= 2.0 else 'NOT met'})"
+    report(
+        f"ring_all_reduce / dist.all_reduce time, {collectives.human_bytes(ring['bytes'])}, {args.nproc} ranks",
+        ratio,
+        "<= 2.0",
     )
     if sweep:
         sweep_rows = result.values["sweep_rows"][0]

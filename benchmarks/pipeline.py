@@ -18,6 +18,8 @@ import statistics
 import sys
 from collections import defaultdict
 
+from _report import report  # benchmarks/ is the script's directory: on sys.path
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from course_lib import launcher
@@ -137,6 +139,7 @@ def main() -> None:
         ratio = steps[("interleaved 1F1B", m)] / steps[("1F1B", m)]
         ideal = (2 * m + p - 1) / 2 / (m + p - 1)
         print(f"interleaved / 1F1B median step time at m={m}: {ratio:.2f} (formula {ideal:.2f})")
+        report(f"interleaved / 1F1B step time over the formula's ratio, m={m}", ratio / ideal, "<= 1.10")
     if args.versus_torch:
         times = defaultdict(list)
         for schedule, who, seconds in result.values["versus"][0]:

@@ -15,6 +15,7 @@ import statistics
 import time
 
 import torch
+from _report import report  # benchmarks/ is the script's directory: on sys.path
 from torch import nn
 
 from course_lib import precision
@@ -30,6 +31,7 @@ def gpu(repeats: int) -> None:
     medians = {name: statistics.median(v) for name, v in tflops.items()}
     for name, value in medians.items():
         print(f"{name}: {value:8.1f} TFLOP/s   {value / medians['fp32']:5.1f}x fp32")
+    report("bf16 / fp32 matmul TFLOP/s", medians["bf16"] / medians["fp32"], ">= 2")
 
 
 def cpu(repeats: int, batch: int) -> None:
@@ -58,6 +60,8 @@ def cpu(repeats: int, batch: int) -> None:
     acts = (precision.saved_activation_bytes(bf16_model, x.bfloat16()), precision.saved_activation_bytes(fp32_model, x))
     print(f"parameters  fp32 {params[1]:>10,} B  bf16 {params[0]:>10,} B  ratio {params[0] / params[1]:.2f}")
     print(f"activations fp32 {acts[1]:>10,} B  bf16 {acts[0]:>10,} B  ratio {acts[0] / acts[1]:.2f}")
+    report("bf16 / fp32 parameter bytes", params[0] / params[1], "0.45..0.55")
+    report("bf16 / fp32 saved activation bytes", acts[0] / acts[1], "0.45..0.55")
 
 
 def main() -> None:
