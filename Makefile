@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 NBVAL := --nbval --nbval-current-env --nbval-cell-timeout 270 --nbval-sanitize-with tests/nbval_sanitize.cfg
 LINTED := course_lib tests benchmarks notebooks conftest.py
 
-.PHONY: course test test-ranks lint lab outputs benchmark clean
+.PHONY: course test test-ranks test-browser lint lab outputs benchmark clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,7 +27,6 @@ test: $(STAMP)        ## unit tests of course_lib, and nbval: every notebook onc
 test-ranks: $(STAMP)  ## every notebook under papermill with NPROC=3: its own assertions hold at another world size
 	$(PY) -m pytest -m notebook tests/test_notebooks.py $(ARGS)
 
-.PHONY: test-browser
 test-browser: AS_ROOT = $$(test "$$(id -u)" = 0 || echo sudo) env DEBIAN_FRONTEND=noninteractive
 test-browser: $(STAMP)  ## JupyterLab in headless Chromium runs notebooks 00 and 01: outputs, ranks, explorer; screenshots in build/browser/
 	test -x /usr/bin/chromium || { $(AS_ROOT) apt-get install -y chromium || { $(AS_ROOT) apt-get update && $(AS_ROOT) apt-get install -y chromium; }; }
