@@ -123,6 +123,8 @@ def test_timeout_ends_every_process_and_names_running_ranks():
 
 def _script_running_a_long_cell(token: str) -> subprocess.Popen:
     code = textwrap.dedent(f"""
+        import signal
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as a kernel does, even if SIGINT came ignored
         from course_lib.launcher import launch
         launch("import time\\ntime.sleep(600)\\n", 2, backend="gloo", timeout=600,
                env={{"COURSE_TEST_TOKEN": {token!r}}})
