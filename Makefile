@@ -8,6 +8,9 @@ STAMP := $(VENV)/.installed
 # A cell over --nbval-cell-timeout is interrupted and fails naming the cell, before pytest-timeout
 # (300 s per test, pyproject.toml) would stop the whole item with a traceback.
 NBVAL := --nbval --nbval-current-env --nbval-cell-timeout 270 --nbval-sanitize-with tests/nbval_sanitize.cfg
+# Two pytest workers: most of a test's time is process start-up, so two run side by side on 2 cores.
+# A notebook's cells stay in one worker (loadfile: nbval runs them in order in one kernel).
+XDIST := -n 2
 LINTED := course_lib tests benchmarks notebooks conftest.py
 
 .PHONY: course test test-ranks test-browser lint lab outputs benchmark clean
@@ -22,10 +25,10 @@ course: $(STAMP)      ## execute every notebook into build/course/ and print a s
 	$(PY) -m course_lib.runner --out build/course $(ARGS)
 
 test: $(STAMP)        ## unit tests of course_lib, and nbval: every notebook once, at its default parameters
-	$(PY) -m pytest tests notebooks $(NBVAL) -m "not notebook" --ignore=tests/browser $(ARGS)
+	$(PY) -m pytest tests notebooks $(NBVAL) -m "not notebook" --ignore=tests/browser $(XDIST) --dist loadfile $(ARGS)
 
 test-ranks: $(STAMP)  ## every notebook under papermill with NPROC=3: its own assertions hold at another world size
-	$(PY) -m pytest -m notebook tests/test_notebooks.py $(ARGS)
+	$(PY) -m pytest -m notebook tests/test_notebooks.py $(XDIST) --dist load $(ARGS)
 
 test-browser: AS_ROOT = $$(test "$$(id -u)" = 0 || echo sudo) env DEBIAN_FRONTEND=noninteractive
 test-browser: $(STAMP)  ## JupyterLab in headless Chromium runs notebooks 00 and 01: outputs, ranks, explorer; screenshots in build/browser/
