@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from course_lib.exercises import ExerciseFailed, expect_equal
 from course_lib.memory import GB, zero_bytes_per_gpu
 from course_lib.models import TransformerBlock
+from course_lib.runtime import grad_of
 from course_lib.tensor_parallel import tp_plan
 
 DIMS = ("pp", "dp", "tp")  # outermost to innermost: tp varies fastest, so a TP group sits inside one node
@@ -150,7 +151,7 @@ def full_grads(module: nn.Module, offset: int = 0) -> dict[str, torch.Tensor]:
     with quiet_full_tensor():
         for name, p in module.named_parameters():
             index, rest = name.split(".", 1)
-            grad = _grad_of(name, p)
+            grad = grad_of(p, name)
             if hasattr(grad, "full_tensor"):
                 grad = grad.full_tensor()
             out[f"{int(index) + offset}.{rest}"] = grad.detach().cpu()
@@ -162,14 +163,7 @@ def reference_grads(n_blocks: int, x: torch.Tensor, y: torch.Tensor) -> tuple[fl
     model = make_model(n_blocks)
     loss = loss_fn(model(x), y)
     loss.backward()
-    return loss.item(), {n: _grad_of(n, p).detach().clone() for n, p in model.named_parameters()}
-
-
-def _grad_of(name: str, p: nn.Parameter) -> torch.Tensor:
-    """`p.grad`, or a clear error when backward never reached this parameter."""
-    if p.grad is None:
-        raise ValueError(f"parameter {name!r} has no gradient: did backward run through it?")
-    return p.grad
+    return loss.item(), {n: grad_of(p, n).detach().clone() for n, p in model.named_parameters()}
 
 
 def max_grad_difference(got: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:

@@ -24,14 +24,7 @@ from torch import nn
 
 from course_lib.exercises import ExerciseFailed
 from course_lib.models import MLP
-
-
-def grad_of(parameter: torch.Tensor) -> torch.Tensor:
-    """The gradient of a tensor that has been through backward (an error if it has none)."""
-    if parameter.grad is None:
-        raise ValueError("this tensor has no gradient: run backward first")
-    return parameter.grad
-
+from course_lib.runtime import grad_of
 
 SCHEDULES = ("GPipe", "1F1B", "interleaved 1F1B")
 

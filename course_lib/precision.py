@@ -23,15 +23,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from course_lib.exercises import ExerciseFailed
-from course_lib.runtime import local_tensor
-
-
-def grad_of(parameter: torch.Tensor) -> torch.Tensor:
-    """The gradient of a parameter that has been through backward (an error if it has none)."""
-    if parameter.grad is None:
-        raise ValueError("this parameter has no gradient: run backward first")
-    return parameter.grad
-
+from course_lib.runtime import grad_of, local_tensor
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}

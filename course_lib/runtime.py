@@ -75,6 +75,13 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def grad_of(parameter: torch.Tensor, name: str = "") -> torch.Tensor:
+    """`parameter.grad`, or a clear error when backward never reached it (`name` says which)."""
+    if parameter.grad is None:
+        raise ValueError(f"parameter {name or '(unnamed)'!r} has no gradient: did backward run through it?")
+    return parameter.grad
+
+
 def _agent_store(timeout_s: float) -> dist.Store:
     """A client of the TCP store torchrun's agent serves at MASTER_ADDR:MASTER_PORT."""
     return dist.TCPStore(
