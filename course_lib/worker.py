@@ -30,6 +30,10 @@ def die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         import ctypes
 
+        # The agent may have died before this line ran: then the parent is already a reaper (pid 1 or a
+        # subreaper), which prctl would not watch. Only a torchrun agent is a parent worth waiting for.
+        if not _is_torchrun_agent(parent):
+            os._exit(1)
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != parent:  # the agent died before prctl took effect
@@ -42,6 +46,15 @@ def die_with_parent() -> None:
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True).start()
+
+
+def _is_torchrun_agent(pid: int) -> bool:
+    """Whether `pid` runs torchrun (`python -m torch.distributed.run` or the `torchrun` script)."""
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+    except OSError:
+        return False
+    return b"torch.distributed.run" in command or b"torchrun" in command
 
 
 def rank_paths(run_dir: Path, rank: int) -> dict[str, Path]:
