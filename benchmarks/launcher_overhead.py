@@ -30,7 +30,7 @@ def main() -> None:
 
     from IPython.core.interactiveshell import InteractiveShell
 
-    from course_lib import launcher
+    from course_lib.launch import launcher
 
     shell = InteractiveShell.instance()
     shell.run_line_magic("load_ext", "course_lib")

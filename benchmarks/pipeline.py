@@ -22,8 +22,8 @@ from _report import report  # benchmarks/ is the script's directory: on sys.path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from course_lib import launcher
 from course_lib import pipeline as pp
+from course_lib.launch import launcher
 
 BODY = r"""
 import time

@@ -16,7 +16,7 @@ import statistics
 from _report import report  # benchmarks/ is the script's directory: on sys.path
 
 from course_lib import rpc as rpc_lib
-from course_lib.launcher import launch
+from course_lib.launch import launch
 
 BODY = """
 import os

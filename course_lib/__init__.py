@@ -8,6 +8,6 @@ __all__ = ["load_ipython_extension"]
 
 
 def load_ipython_extension(ipython) -> None:
-    from course_lib.magic import TorchrunMagics
+    from course_lib.launch.magic import TorchrunMagics
 
     ipython.register_magics(TorchrunMagics)

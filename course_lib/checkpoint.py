@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
-from course_lib.runtime import rank_device
+from course_lib.launch.runtime import rank_device
 
 FORMAT = "course_lib.checkpoint/1"
 METADATA = "metadata.json"

@@ -18,10 +18,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from course_lib.compare import grad_of
 from course_lib.exercises import ExerciseFailed, expect_equal
 from course_lib.memory import GB, zero_bytes_per_gpu
 from course_lib.models import TransformerBlock
-from course_lib.runtime import grad_of
 from course_lib.tensor_parallel import tp_plan
 
 DIMS = ("pp", "dp", "tp")  # outermost to innermost: tp varies fastest, so a TP group sits inside one node

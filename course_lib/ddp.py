@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from course_lib.exercises import ExerciseFailed, expect_equal
-from course_lib.runtime import rank_device
+from course_lib.launch.runtime import rank_device
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel

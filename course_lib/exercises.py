@@ -4,10 +4,10 @@ In the notebook::
 
     def rank_sum():
         ...                        # the learner's code
-    check(rank_sum, "course_lib.process_groups:check_rank_sum", nproc=NPROC)
+    check(rank_sum, process_groups.check_rank_sum, nproc=NPROC)
 
 `check` sends the function's source to the ranks, where the checker (a
-function in the technique's module) calls it, compares with the reference
+function in the technique's package, imported there by its module and name) calls it, compares with the reference
 solution and raises :class:`ExerciseFailed` naming what is wrong. A function
 whose body is still the stub (``raise NotImplementedError``) is reported as
 not attempted, without running anything.
@@ -76,25 +76,31 @@ def is_stub(fn: Callable) -> bool:
 
 
 def check(
-    fn: Callable, checker: str, *, nproc: int = 2, backend: str = "auto", timeout: float = 120, quiet: bool = False
+    fn: Callable,
+    checker: Callable[[Callable], None],
+    *,
+    nproc: int = 2,
+    backend: str = "auto",
+    timeout: float = 120,
+    quiet: bool = False,
 ) -> bool | None:
-    """Run `checker` ("module:function") on `nproc` ranks against `fn`.
+    """Run `checker` on `nproc` ranks against `fn`.
 
     Returns True (correct), False (wrong: the message names the rank and the
     element) or None (not attempted yet). Never raises for a wrong answer.
     """
-    from course_lib import launcher
+    from course_lib import launch
 
     say = (lambda *a: None) if quiet else print
     name = fn.__name__
     if is_stub(fn):
         say(f"{name}: not attempted yet")
         return None
-    module, func = checker.split(":")
+    module, func = _importable(checker)
     body = textwrap.dedent(inspect.getsource(fn)) + f"\nfrom {module} import {func} as _check\n_check({name})\n"
     try:
-        launcher.launch(body, nproc, backend=backend, timeout=timeout, write=lambda text, stream: None)
-    except launcher.RankFailedError as error:
+        launch.launch(body, nproc, backend=backend, timeout=timeout, write=lambda text, stream: None)
+    except launch.RankFailedError as error:
         if not error.failures:
             say(f"✗ {name}: {error}")
             return False
@@ -108,3 +114,13 @@ def check(
         return False
     say(f"✓ {name}: correct on {nproc} ranks")
     return True
+
+
+def _importable(checker: Callable) -> tuple[str, str]:
+    """(module, name) under which a rank imports `checker`: it must be a module-level function."""
+    import sys
+
+    module, name = getattr(checker, "__module__", None), getattr(checker, "__qualname__", "")
+    if module is None or getattr(sys.modules.get(module), name, None) is not checker:
+        raise TypeError(f"the checker must be a module-level function of course_lib, got {checker!r}")
+    return module, name

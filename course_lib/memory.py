@@ -25,7 +25,7 @@ import math
 import torch
 from torch import nn
 
-from course_lib.runtime import local_tensor
+from course_lib.compare import local_tensor
 
 GB = 1e9  # decimal gigabytes, as in the ZeRO paper and GPU data sheets
 

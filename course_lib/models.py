@@ -6,6 +6,9 @@ several layers to shard, bucket or split into pipeline stages.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -26,6 +29,25 @@ class MLP(nn.Sequential):
 
 def param_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def shard_layers_then_root(
+    model: nn.Module, layers: Iterable[nn.Module] | None = None, *, reshard_after_forward: bool = True, **options: Any
+) -> nn.Module:
+    """FSDP2's usual wrapping: `fully_shard` each layer as a unit of its own, then the root.
+
+    A unit's parameters are all-gathered together, just before it runs. The root takes the parameters
+    no layer claimed and drives the schedule. `layers` defaults to the model's Linear children;
+    `options` (mesh=, mp_policy=, ...) apply to every unit, the root included.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    if layers is None:
+        layers = [m for m in model.children() if isinstance(m, nn.Linear)]
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, **options)
+    fully_shard(model, **options)
+    return model
 
 
 class Attention(nn.Module):

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from course_lib.launcher import LaunchError, check_nproc, resolve_backend
+from course_lib.launch.backend import LaunchError, resolve_backend
+from course_lib.launch.launcher import check_nproc
 
 TRIED_ON_CPU = range(1, 9)  # the world sizes every notebook is tried at on the CPU
 

@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from course_lib.compare import grad_of
 from course_lib.exercises import ExerciseFailed
 from course_lib.models import MLP
-from course_lib.runtime import grad_of
 
 SCHEDULES = ("GPipe", "1F1B", "interleaved 1F1B")
 

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from course_lib.compare import grad_of, local_tensor
 from course_lib.exercises import ExerciseFailed
-from course_lib.runtime import grad_of, local_tensor
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}

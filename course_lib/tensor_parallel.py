@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from course_lib.compare import local_tensor
 from course_lib.exercises import ExerciseFailed
 from course_lib.models import Attention, TransformerBlock
-from course_lib.runtime import local_tensor
 
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle

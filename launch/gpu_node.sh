@@ -12,4 +12,4 @@ if [ "$GPUS" -lt 1 ]; then
     exit 1
 fi
 NPROC=${NPROC:-$GPUS}
-exec .venv/bin/python -m course_lib.runner -p NPROC "$NPROC" -p BACKEND nccl --out build/course-gpu "$@"
+exec .venv/bin/python -m course_lib.launch.runner -p NPROC "$NPROC" -p BACKEND nccl --out build/course-gpu "$@"

@@ -14,7 +14,7 @@ import torch
 
 from course_lib import checkpoint as ck
 from course_lib.exercises import check
-from course_lib.launcher import launch
+from course_lib.launch import launch
 from course_lib.models import MLP
 from tests.rank_programs import checkpoint as rank_programs
 from tests.rank_programs import run
@@ -243,12 +243,8 @@ def test_exercise_checker_in_process():
 
 
 def test_exercise_check_on_ranks(capsys):
-    assert (
-        check(find_latest_complete, "course_lib.checkpoint:check_find_latest_complete", nproc=2, backend="gloo") is True
-    )
-    assert (
-        check(wrong_string_order, "course_lib.checkpoint:check_find_latest_complete", nproc=2, backend="gloo") is False
-    )
+    assert check(find_latest_complete, ck.check_find_latest_complete, nproc=2, backend="gloo") is True
+    assert check(wrong_string_order, ck.check_find_latest_complete, nproc=2, backend="gloo") is False
     out = capsys.readouterr().out
     assert "✓ find_latest_complete: correct on 2 ranks" in out
     assert re.search(

@@ -52,13 +52,8 @@ def test_coordinates_exercise_checker_accepts_the_solution_and_names_wrong_ranks
 
     # 4 ranks: a full 2 x 2 grid; 5 (prime): the (1, 2, 2) mesh on the first 4 ranks still catches the swap.
     for nproc in (5, 4):
-        assert (
-            check(
-                compose.solution_my_coordinates, "course_lib.compose:check_my_coordinates", nproc=nproc, backend="gloo"
-            )
-            is True
-        )
-        assert check(my_coordinates, "course_lib.compose:check_my_coordinates", nproc=nproc, backend="gloo") is False
+        assert check(compose.solution_my_coordinates, compose.check_my_coordinates, nproc=nproc, backend="gloo") is True
+        assert check(my_coordinates, compose.check_my_coordinates, nproc=nproc, backend="gloo") is False
         said = capsys.readouterr().out.splitlines()[-1]
         # whichever wrong rank reports first (1 or 2), its coordinate and both values are named correctly
         found = re.search(r"rank (\d): my_coordinates\((\d), pp=1, dp=2, tp=2\)\[(\d)\]: expected (\d), got (\d)", said)

@@ -70,7 +70,7 @@ def wrong_average_gradient(param):
 
 
 def test_check_reports_wrong_answer_with_its_rank(capsys):
-    assert check(wrong_average_gradient, "course_lib.ddp:check_average_gradient", nproc=2, backend="gloo") is False
+    assert check(wrong_average_gradient, ddp.check_average_gradient, nproc=2, backend="gloo") is False
     said = capsys.readouterr().out
     # every rank gets it wrong; whichever reported first is named
     assert re.match(r"✗ wrong_average_gradient: rank [01]: step 0: gradient of 0\.weight", said), said

@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from course_lib import debugging, launcher
+from course_lib import debugging
 from course_lib.exercises import check
+from course_lib.launch import launcher
 from tests.rank_programs import debugging as programs
 from tests.rank_programs import run
 
@@ -137,11 +138,11 @@ def reference_in_sync(model):
 
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_exercise_reference_passes(nproc, capsys):
-    assert check(reference_in_sync, "course_lib.debugging:check_gradients_in_sync", nproc=nproc, backend="gloo")
+    assert check(reference_in_sync, debugging.check_gradients_in_sync, nproc=nproc, backend="gloo")
 
 
 def test_exercise_stub_is_not_attempted(capsys):
-    assert check(gradients_in_sync, "course_lib.debugging:check_gradients_in_sync", nproc=2, backend="gloo") is None
+    assert check(gradients_in_sync, debugging.check_gradients_in_sync, nproc=2, backend="gloo") is None
     assert "not attempted yet" in capsys.readouterr().out
 
 
@@ -157,6 +158,6 @@ def test_exercise_stub_is_not_attempted(capsys):
     ],
 )
 def test_exercise_wrong_answers_fail_naming_the_rank(wrong, expected, capsys):
-    assert check(wrong, "course_lib.debugging:check_gradients_in_sync", nproc=3, backend="gloo") is False
+    assert check(wrong, debugging.check_gradients_in_sync, nproc=3, backend="gloo") is False
     said = capsys.readouterr().out
     assert expected in said and "rank" in said.split(":")[1], said

@@ -43,7 +43,7 @@ def test_exercise_check_names_the_rank(capsys):
 
         return tuple(torch.tensor_split(t.reshape(-1), dist.get_world_size())[0] for t in (param, exp_avg, exp_avg_sq))
 
-    assert check(shard_with_adam_state, "course_lib.fsdp:check_shard_with_adam_state", nproc=3, backend="gloo") is False
+    assert check(shard_with_adam_state, fsdp.check_shard_with_adam_state, nproc=3, backend="gloo") is False
     out = capsys.readouterr().out
     assert "rank 1" in out or "rank 2" in out, out
     assert "param shard" in out, out
@@ -53,7 +53,7 @@ def test_stub_is_not_attempted(capsys):
     def shard_with_adam_state(param, exp_avg, exp_avg_sq):
         raise NotImplementedError
 
-    assert check(shard_with_adam_state, "course_lib.fsdp:check_shard_with_adam_state", nproc=2) is None
+    assert check(shard_with_adam_state, fsdp.check_shard_with_adam_state, nproc=2) is None
     assert "not attempted yet" in capsys.readouterr().out
 
 

@@ -16,8 +16,7 @@ import psutil
 import pytest
 import torch
 
-from course_lib import launcher
-from course_lib.launcher import LaunchError, RankFailedError, RunTimeoutError, launch
+from course_lib.launch import LaunchError, RankFailedError, RunTimeoutError, backend, launch, launcher
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -126,7 +125,7 @@ def _script_running_a_long_cell(token: str) -> subprocess.Popen:
     code = textwrap.dedent(f"""
         import signal
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as a kernel does, even if SIGINT came ignored
-        from course_lib.launcher import launch
+        from course_lib.launch import launch
         launch("import time\\ntime.sleep(600)\\n", 2, backend="gloo", timeout=600,
                env={{"COURSE_TEST_TOKEN": {token!r}}})
     """)
@@ -137,7 +136,7 @@ def _script_running_a_long_cell(token: str) -> subprocess.Popen:
 def _agent_and_workers(token: str):
     procs = processes_with(token)
     agent = [p for p in procs if "torch.distributed.run" in " ".join(p.cmdline())]
-    workers = [p for p in procs if p not in agent and "course_lib.worker" in " ".join(p.cmdline())]
+    workers = [p for p in procs if p not in agent and "course_lib.launch.worker" in " ".join(p.cmdline())]
     return agent, workers
 
 
@@ -214,14 +213,19 @@ def test_max_restarts_restarts_the_group_after_a_real_process_death():
     assert "attempt 0 failed: rank 1 " in out.stdout  # the rank that died, not the peer that lost it
 
 
-def test_no_init_leaves_the_group_to_the_cell():
+def test_no_init_leaves_the_group_to_the_cell_but_says_where_it_runs():
     body = textwrap.dedent("""
         import torch.distributed as dist
         initialised_before = dist.is_initialized()
-        names = sorted(k for k in ("rank", "world_size", "device") if k in globals())
+        names = sorted(k for k in ("rank", "world_size", "local_rank", "device") if k in globals())
+        where = (rank, world_size, local_rank)
     """)
-    result = launch(body, 2, backend="gloo", init=False, out=["initialised_before", "names"], write=Captured())
-    assert result.values == {"initialised_before": [False, False], "names": [[], []]}
+    result = launch(body, 2, backend="gloo", init=False, out=["initialised_before", "names", "where"], write=Captured())
+    assert result.values == {
+        "initialised_before": [False, False],
+        "names": [["local_rank", "rank", "world_size"]] * 2,
+        "where": [(0, 2, 0), (1, 2, 1)],
+    }
 
 
 def test_saved_script_runs_under_plain_torchrun(tmp_path):
@@ -288,10 +292,10 @@ def test_bad_input_is_refused_at_once(shell, line, message):
 
 
 def test_more_ranks_than_gpus_is_refused(monkeypatch):
-    monkeypatch.setattr(launcher, "available_gpus", lambda: 2)
+    monkeypatch.setattr(backend, "available_gpus", lambda: 2)
     with pytest.raises(LaunchError, match="4 ranks with nccl need 4 GPUs, this node has 2"):
-        launcher.resolve_backend("nccl", 4)
-    assert launcher.resolve_backend("auto", 2) == "nccl"
+        backend.resolve_backend("nccl", 4)
+    assert backend.resolve_backend("auto", 2) == "nccl"
 
 
 def test_out_naming_a_variable_a_rank_never_set(shell):

@@ -8,7 +8,7 @@ import subprocess
 import threading
 from pathlib import Path
 
-from course_lib import launcher
+from course_lib.launch import launcher
 
 ROOT = Path(__file__).resolve().parent.parent
 BODY = "t = torch.tensor([float(rank)])\ndist.all_reduce(t)\nprint(f'rank {rank} of {world_size}: sum {t.item():g}')\n"

@@ -16,7 +16,8 @@ import nbformat
 import pytest
 import torch
 
-from course_lib import params, runner
+from course_lib import params
+from course_lib.launch import runner
 
 NOTEBOOKS = runner.find_notebooks([])
 CHECK_WITHIN = 3  # params.check( must be in one of a notebook's first code cells

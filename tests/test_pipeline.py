@@ -192,11 +192,11 @@ def test_check_reports_rank_and_not_attempted(capsys):
     def one_f_one_b(stage, n_stages, n_microbatches):  # GPipe's order: a wrong answer
         return [("F", i) for i in range(n_microbatches)] + [("B", i) for i in range(n_microbatches)]
 
-    assert check(one_f_one_b, "course_lib.pipeline:check_one_f_one_b", nproc=2, backend="gloo") is False
+    assert check(one_f_one_b, pp.check_one_f_one_b, nproc=2, backend="gloo") is False
     assert "rank 1: stage 1 of 2" in capsys.readouterr().out
 
     def stub(stage, n_stages, n_microbatches):
         raise NotImplementedError
 
-    assert check(stub, "course_lib.pipeline:check_one_f_one_b", nproc=2) is None
+    assert check(stub, pp.check_one_f_one_b, nproc=2) is None
     assert "not attempted yet" in capsys.readouterr().out

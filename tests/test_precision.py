@@ -182,9 +182,9 @@ def found_inf_stub(grads):
 
 
 def test_exercise_check_names_the_rank(capsys):
-    assert check(found_inf_stub, "course_lib.precision:check_found_inf", nproc=3, backend="gloo") is None
-    assert check(precision.solution_found_inf, "course_lib.precision:check_found_inf", nproc=3, backend="gloo") is True
-    assert check(found_inf_local_only, "course_lib.precision:check_found_inf", nproc=3, backend="gloo") is False
+    assert check(found_inf_stub, precision.check_found_inf, nproc=3, backend="gloo") is None
+    assert check(precision.solution_found_inf, precision.check_found_inf, nproc=3, backend="gloo") is True
+    assert check(found_inf_local_only, precision.check_found_inf, nproc=3, backend="gloo") is False
     out = capsys.readouterr().out
     assert "found_inf_stub: not attempted yet" in out
     assert "✓ solution_found_inf: correct on 3 ranks" in out

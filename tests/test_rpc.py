@@ -8,7 +8,7 @@ import torch
 
 from course_lib import rpc as rpc_lib
 from course_lib.exercises import check
-from course_lib.launcher import launch
+from course_lib.launch import launch
 from tests.rank_programs import rpc as programs
 
 QUIET = dict(write=lambda text, stream: None)
@@ -165,7 +165,7 @@ def add_returning_amount(counter_rref, amount):
 
 
 def test_counter_checker_accepts_the_reference(capsys):
-    assert check(add_on_owner, "course_lib.rpc:check_counter", nproc=3, backend="gloo") is True
+    assert check(add_on_owner, rpc_lib.check_counter, nproc=3, backend="gloo") is True
     assert "correct on 3 ranks" in capsys.readouterr().out
 
 
@@ -177,7 +177,7 @@ def test_counter_checker_accepts_the_reference(capsys):
     ],
 )
 def test_counter_checker_rejects_wrong_answers(wrong, says, capsys):
-    assert check(wrong, "course_lib.rpc:check_counter", nproc=2, backend="gloo") is False
+    assert check(wrong, rpc_lib.check_counter, nproc=2, backend="gloo") is False
     out = capsys.readouterr().out
     assert "rank 0" in out and says in out, out
 
@@ -186,5 +186,5 @@ def test_counter_checker_reports_a_stub(capsys):
     def add_on_owner(counter_rref, amount):
         raise NotImplementedError
 
-    assert check(add_on_owner, "course_lib.rpc:check_counter", nproc=2) is None
+    assert check(add_on_owner, rpc_lib.check_counter, nproc=2) is None
     assert "not attempted yet" in capsys.readouterr().out

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from course_lib.launcher import launch
+from course_lib.launch import launch
 
 
 def quiet(text: str, stream: str) -> None:

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from course_lib.launch.backend import resolve_backend
+
 
 @dataclass(frozen=True)
 class RankContext:
@@ -26,13 +28,6 @@ class RankContext:
     backend: str
 
 
-def pick_backend(requested: str = "auto") -> str:
-    """'auto' means NCCL when CUDA is usable, gloo otherwise."""
-    if requested == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    return requested
-
-
 def init_distributed(backend: str = "auto", timeout_s: float = 300.0, seed: int | None = 0) -> RankContext:
     """Join the process group torchrun described in the environment.
 
@@ -40,7 +35,7 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0, seed: int 
     `seed` seeds every RNG identically on all ranks (None leaves them alone);
     use `seed + rank` in the cell when ranks should draw different numbers.
     """
-    backend = pick_backend(backend)
+    backend = resolve_backend(backend)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     kwargs: dict[str, Any] = {}
     if backend == "nccl":
@@ -68,18 +63,6 @@ def rank_device() -> torch.device:
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's shard on this rank, or the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def grad_of(parameter: torch.Tensor, name: str = "") -> torch.Tensor:
-    """`parameter.grad`, or a clear error when backward never reached it (`name` says which)."""
-    if parameter.grad is None:
-        raise ValueError(f"parameter {name or '(unnamed)'!r} has no gradient: did backward run through it?")
-    return parameter.grad
 
 
 def _agent_store(timeout_s: float) -> dist.Store:

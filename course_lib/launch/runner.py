@@ -1,9 +1,9 @@
 """Execute the course's notebooks with papermill and report a summary table.
 
-    python -m course_lib.runner                     # every notebook -> build/course/
-    python -m course_lib.runner 03 -p NPROC 4       # one notebook (name prefix), 4 ranks
-    python -m course_lib.runner -p BACKEND nccl -p NPROC 8   # a GPU node
-    python -m course_lib.runner --inplace           # refresh the stored outputs nbval compares
+    python -m course_lib.launch.runner                     # every notebook -> build/course/
+    python -m course_lib.launch.runner 03 -p NPROC 4       # one notebook (name prefix), 4 ranks
+    python -m course_lib.launch.runner -p BACKEND nccl -p NPROC 8   # a GPU node
+    python -m course_lib.launch.runner --inplace           # refresh the stored outputs nbval compares
 
 Each notebook runs with notebooks/ as its working directory. The exit status is
 non-zero when any notebook fails; the table names the failing cell and rank.
@@ -143,7 +143,9 @@ def print_table(outcomes: list[Outcome]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m course_lib.runner", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m course_lib.launch.runner",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("notebooks", nargs="*", help="notebook paths or name prefixes (default: all)")
     parser.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"))

@@ -3,7 +3,7 @@
     %%torchrun -n $NPROC --backend $BACKEND --out loss
     loss = train_one_step(rank)
 
-See `%%torchrun?` for every flag. The work is done by course_lib.launcher.
+See `%%torchrun?` for every flag. The work is done by course_lib.launch.launcher.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from IPython.core.magic import Magics, cell_magic, magics_class
 
-from course_lib import launcher
+from course_lib.launch import launcher
 
 
 class _Parser(argparse.ArgumentParser):

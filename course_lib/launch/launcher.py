@@ -1,7 +1,7 @@
 """Run a piece of code on N ranks under the real torchrun, from a notebook or a test.
 
 :func:`launch` writes the code into a fresh run directory, starts
-``python -m torch.distributed.run ... --module course_lib.worker RUN_DIR`` in
+``python -m torch.distributed.run ... --module course_lib.launch.worker RUN_DIR`` in
 its own session, and waits. It owns every process it starts: on success,
 failure, timeout or interrupt, nothing of the run is left alive. Processes are
 ended by their recorded pid or process group, never by name.
@@ -32,8 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from course_lib.launch.backend import LaunchError, resolve_backend
+
 DEFAULT_TIMEOUT_S = 300.0
-BACKENDS = ("auto", "gloo", "nccl")
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 _STREAM_PREFIX = re.compile(r"^\[rank(\d+)\]: ?")
 # Lines the ranks' libraries print that teach nothing (kept out of the cell).
@@ -45,13 +46,6 @@ _NOISE = [
         r"^\s*$",
     )
 ]
-
-
-class LaunchError(ValueError):
-    """The request cannot run; the message says what to change. Raised before anything starts."""
-
-    def _render_traceback_(self) -> list[str]:  # IPython shows this instead of kernel frames
-        return [f"{type(self).__name__}: {self}"]
 
 
 @dataclass
@@ -107,30 +101,6 @@ class RunResult:
     def stdout(self) -> dict[int, str]:
         """Each rank's stdout in the last attempt."""
         return self.attempts[-1].stdout if self.attempts else {}
-
-
-def available_gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def resolve_backend(backend: str, nproc: int) -> str:
-    """Turn 'auto' into a concrete backend and refuse requests that cannot work."""
-    if backend not in BACKENDS:
-        raise LaunchError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
-    gpus = available_gpus() if backend in ("auto", "nccl") else 0
-    if backend == "auto":
-        backend = "nccl" if gpus else "gloo"
-    if backend == "nccl":
-        if gpus == 0:
-            raise LaunchError("--backend nccl needs CUDA GPUs and this machine has none: use --backend gloo")
-        if nproc > gpus:
-            raise LaunchError(
-                f"{nproc} ranks with nccl need {nproc} GPUs, this node has {gpus}: "
-                f"use -n {gpus} or less, or --backend gloo"
-            )
-    return backend
 
 
 def check_nproc(nproc: Any) -> int:
@@ -468,7 +438,7 @@ def _run(
                 cmd += [f"--{key.replace('_', '-')}", str(value)]
     else:
         cmd += ["--standalone"]  # a free rendezvous port per run: runs never collide
-    cmd += ["--module", "course_lib.worker", str(run_dir)]
+    cmd += ["--module", "course_lib.launch.worker", str(run_dir)]
 
     run_env = dict(os.environ)
     run_env.update(env or {})
@@ -618,7 +588,7 @@ def standalone_script(body: str, *, backend: str = "auto", init: bool = True, np
         "import torch",
         "import torch.distributed as dist",
         "",
-        "from course_lib import runtime",
+        "from course_lib.launch import runtime",
         "",
         f"_ctx = runtime.init_distributed({backend!r})",
         "rank, world_size, local_rank, device = _ctx.rank, _ctx.world_size, _ctx.local_rank, _ctx.device",

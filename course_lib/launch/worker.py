@@ -1,8 +1,8 @@
 """The program torchrun starts on every rank of a `%%torchrun` cell.
 
-    python -m torch.distributed.run ... --module course_lib.worker RUN_DIR
+    python -m torch.distributed.run ... --module course_lib.launch.worker RUN_DIR
 
-RUN_DIR (written by :mod:`course_lib.launcher`) holds `config.json`, the cell
+RUN_DIR (written by :mod:`course_lib.launch.launcher`) holds `config.json`, the cell
 body `cell.py` and the pushed values. This process records its pid so the
 launcher can end it, dies with its torchrun agent, runs the body, and leaves
 behind the `--out` values, a `done` marker, or a torchelastic error file.
@@ -94,21 +94,21 @@ def main(run_dir: Path) -> None:
     sys.modules["__main__"] = main_module
     namespace = main_module.__dict__
     cell_file = str(run_dir / "cell.py")
+    # Every cell knows where it runs; --no-init cells create the process group themselves.
+    namespace.update(
+        torch=torch,
+        rank=rank,
+        world_size=int(os.environ["WORLD_SIZE"]),
+        local_rank=int(os.environ["LOCAL_RANK"]),
+    )
     try:
         if config["init"]:
             import torch.distributed as dist
 
-            from course_lib import runtime
+            from course_lib.launch import runtime
 
             ctx = runtime.init_distributed(config["backend"], config["pg_timeout_s"])
-            namespace.update(
-                torch=torch,
-                dist=dist,
-                rank=ctx.rank,
-                world_size=ctx.world_size,
-                local_rank=ctx.local_rank,
-                device=ctx.device,
-            )
+            namespace.update(dist=dist, device=ctx.device)
         if config["push"]:
             namespace.update(torch.load(run_dir / "push.pt", weights_only=False))
         source = Path(cell_file).read_text()
@@ -124,7 +124,7 @@ def main(run_dir: Path) -> None:
             torch.save({name: namespace[name] for name in config["out"]}, paths["out"])
         namespace.clear()  # the cell's objects must go while the group exists (see runtime.shutdown)
         if config["init"]:
-            from course_lib import runtime
+            from course_lib.launch import runtime
 
             runtime.shutdown()
     except BaseException as exc:
