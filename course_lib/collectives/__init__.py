@@ -1,0 +1,60 @@
+"""Notebook 01: collectives from point-to-point messages, their cost model, and a benchmark.
+
+    p2p        send_recv (both neighbours at once), the bytes-sent counter, the step recorder
+    ring       chunks, the ring schedule, ring reduce-scatter / all-gather / all-reduce, the naive all-reduce
+    cost       bytes sent per rank, bus factor, the alpha-beta model and its fit
+    benchmark  timing collectives on every rank, the table of results
+    figures    kernel-only: the ring simulated step by step, who holds what
+    checkers   the exercises' checkers and reference solutions
+
+The notebook shows the two in-place ring phases from their module: collectives.ring._ring_reduce_scatter_.
+"""
+
+from course_lib.collectives.benchmark import benchmark, collective_calls, format_table, human_bytes
+from course_lib.collectives.checkers import (
+    check_all_gather,
+    check_reduce_scatter,
+    solution_all_gather,
+    solution_reduce_scatter,
+)
+from course_lib.collectives.cost import alpha_beta_time, bus_factor, bytes_sent_per_rank, fit_alpha_beta
+from course_lib.collectives.figures import draw_holdings, draw_ring_step, ring_all_reduce_states
+from course_lib.collectives.p2p import record_steps, reset_traffic, send_recv, traffic
+from course_lib.collectives.ring import (
+    chunk_offsets,
+    chunk_sizes,
+    naive_all_reduce,
+    ring_all_gather,
+    ring_all_reduce,
+    ring_reduce_scatter,
+    ring_step,
+)
+
+__all__ = [
+    "alpha_beta_time",
+    "benchmark",
+    "bus_factor",
+    "bytes_sent_per_rank",
+    "check_all_gather",
+    "check_reduce_scatter",
+    "chunk_offsets",
+    "chunk_sizes",
+    "collective_calls",
+    "draw_holdings",
+    "draw_ring_step",
+    "fit_alpha_beta",
+    "format_table",
+    "human_bytes",
+    "naive_all_reduce",
+    "record_steps",
+    "reset_traffic",
+    "ring_all_gather",
+    "ring_all_reduce",
+    "ring_all_reduce_states",
+    "ring_reduce_scatter",
+    "ring_step",
+    "send_recv",
+    "solution_all_gather",
+    "solution_reduce_scatter",
+    "traffic",
+]
