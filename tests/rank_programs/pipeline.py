@@ -25,11 +25,7 @@ def equality(rank: int, world_size: int) -> dict:
                     ref_loss, expected = pp.reference_stage_gradients(pp.course_model(), p * v, x, y)
                     record, ours = pp.pipeline_step(schedule, m, x, y, stage_ranks=range(p))
                     torch_losses, theirs = pp.torch_pipeline_step(schedule, m, x, y, group=group)
-                    versus_torch = max(
-                        float((a.grad - b.grad).abs().max())
-                        for s in ours
-                        for a, b in zip(ours[s].parameters(), theirs[s].parameters())
-                    )
+                    versus_torch = pp.max_gradient_error(ours, pp.stage_gradients(theirs))
                     report.append(
                         dict(
                             p=p,

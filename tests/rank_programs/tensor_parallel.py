@@ -6,6 +6,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 
+from course_lib import compare
 from course_lib import tensor_parallel as tp
 from course_lib.models import TransformerBlock
 
@@ -48,11 +49,11 @@ def against_torch(rank: int, world_size: int) -> dict:
         with CommDebugMode() as sp_bwd:
             y_sp.pow(2).sum().backward()
 
-        full_grads = tp.full_gradients(full)
-        theirs_local = {n: tp.local_tensor(p.grad) for n, p in theirs.named_parameters() if p.grad is not None}
-        mine_grads = tp.full_gradients(mine)
-        sp_full = tp.full_gradients(sp)
-        err = tp.relative_error
+        full_grads = compare.full_gradients(full)
+        theirs_local = {n: compare.local_tensor(p.grad) for n, p in theirs.named_parameters() if p.grad is not None}
+        mine_grads = compare.full_gradients(mine)
+        sp_full = compare.full_gradients(sp)
+        err = compare.relative_error
         assert x_mine.grad is not None and x_full.grad is not None and x_theirs.grad is not None
         assert x_sp.grad is not None
         results.append(
@@ -77,7 +78,7 @@ def against_torch(rank: int, world_size: int) -> dict:
                 torch_bwd=_counts(bwd),
                 sp_fwd=_counts(sp_fwd),
                 sp_bwd=_counts(sp_bwd),
-                params=(tp.param_bytes_per_rank(mine), tp.param_bytes_per_rank(theirs), tp.param_bytes_per_rank(full)),
+                params=tuple(compare.bytes_per_rank(block.parameters()) for block in (mine, theirs, full)),
             )
         )
     return {"results": results}

@@ -1,0 +1,65 @@
+"""course_lib.pipeline (notebook 07): pipeline parallelism from scratch.
+
+A model is cut into *stages* (stages.py), one per rank, or several per rank ("virtual stages", for the
+interleaved schedule). A batch is cut into *micro-batches*. A *schedule* is, for every rank, an
+explicit list of actions ``Action("F" or "B", microbatch, stage)`` (schedules.py); :func:`simulate`
+computes its ideal timeline or finds its deadlock without running anything (timeline.py), and
+:func:`execute` runs it with point-to-point send/recv (execution.py). train.py holds one training
+step, ours and torch.distributed.pipelining's, against single-process training; figures.py the
+Gantt chart; checkers.py the exercise. The names below are those the notebook, tests and benchmark use.
+"""
+
+from course_lib.pipeline.checkers import check_one_f_one_b, solution_one_f_one_b
+from course_lib.pipeline.execution import execute, naive_model_parallel
+from course_lib.pipeline.figures import plot_timeline
+from course_lib.pipeline.schedules import (
+    SCHEDULES,
+    Action,
+    gpipe_actions,
+    ideal_bubble,
+    interleaved_actions,
+    one_f_one_b_actions,
+    peak_in_flight,
+    schedule_actions,
+    validate,
+)
+from course_lib.pipeline.stages import course_model, local_stages, split_into_stages, stage_boundaries
+from course_lib.pipeline.timeline import Deadlock, bubble_fraction, simulate
+from course_lib.pipeline.train import (
+    loss_fn,
+    max_gradient_error,
+    pipeline_step,
+    reference_stage_gradients,
+    stage_gradients,
+    torch_pipeline_step,
+)
+
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "Deadlock",
+    "bubble_fraction",
+    "check_one_f_one_b",
+    "course_model",
+    "execute",
+    "gpipe_actions",
+    "ideal_bubble",
+    "interleaved_actions",
+    "local_stages",
+    "loss_fn",
+    "max_gradient_error",
+    "naive_model_parallel",
+    "one_f_one_b_actions",
+    "peak_in_flight",
+    "pipeline_step",
+    "plot_timeline",
+    "reference_stage_gradients",
+    "schedule_actions",
+    "simulate",
+    "solution_one_f_one_b",
+    "split_into_stages",
+    "stage_boundaries",
+    "stage_gradients",
+    "torch_pipeline_step",
+    "validate",
+]

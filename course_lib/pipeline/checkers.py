@@ -1,0 +1,108 @@
+"""The exercise of notebook 07: 1F1B's action list for one stage, its checker and reference answer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from course_lib.compare import grad_of
+from course_lib.exercises import ExerciseFailed
+from course_lib.pipeline.execution import execute
+from course_lib.pipeline.schedules import Action, one_f_one_b_actions, peak_in_flight
+from course_lib.pipeline.stages import course_model, split_into_stages
+from course_lib.pipeline.timeline import Deadlock, simulate
+from course_lib.pipeline.train import loss_fn, reference_stage_gradients
+
+
+def _as_actions(got: Any, stage: int) -> list[Action]:
+    if not isinstance(got, (list, tuple)):
+        raise ExerciseFailed(f"stage {stage}: expected a list of (kind, microbatch) pairs, got {type(got).__name__}")
+    out = []
+    for item in got:
+        if not (
+            isinstance(item, (tuple, list)) and len(item) >= 2 and item[0] in ("F", "B") and isinstance(item[1], int)
+        ):
+            raise ExerciseFailed(f'stage {stage}: {item!r} is not a ("F" or "B", microbatch) pair')
+        out.append(Action(item[0], int(item[1]), stage))
+    return out
+
+
+def _short(actions: Sequence[Action]) -> str:
+    return " ".join(f"{a.kind}{a.microbatch}" for a in actions)
+
+
+def check_one_f_one_b(fn: Callable[[int, int, int], Any]) -> None:
+    """fn(stage, n_stages, n_microbatches) -> 1F1B list of ("F"|"B", microbatch) for that stage.
+
+    Every rank builds all stages' lists (pure functions), validates and
+    simulates them for several m, and compares them with the reference order;
+    all ranks reach the same verdict, and only the rank of the first faulty
+    stage raises. If all is right, the lists are run for real and the
+    gradients compared with single-process training.
+    """
+    rank, p = dist.get_rank(), dist.get_world_size()
+
+    def fail_on(stage: int, message: str) -> None:
+        if rank == stage:
+            raise ExerciseFailed(message)
+
+    for m in (1, 2, p, 2 * p + 1):
+        lists = {}
+        for s in range(p):
+            try:
+                lists[s] = _as_actions(fn(s, p, m), s)
+                _validate_stage(lists[s], s, m)
+            except (ExerciseFailed, ValueError) as error:
+                return fail_on(s, f"n_microbatches={m}: {error}")
+        try:
+            simulate(lists, p)
+        except Deadlock as error:
+            return fail_on(min(error.waiting), f"n_microbatches={m}: the stages' lists {error}")
+        for s in range(p):
+            expected = one_f_one_b_actions(s, p, m)
+            if lists[s] != expected:
+                k = next((i for i, (a, b) in enumerate(zip(lists[s], expected)) if a != b), len(expected))
+                return fail_on(
+                    s,
+                    f"stage {s} of {p}, n_microbatches={m}: action {k} should be "
+                    f"{expected[k].kind}{expected[k].microbatch}; expected [{_short(expected)}], got "
+                    f"[{_short(lists[s])}] (holds {peak_in_flight(lists[s])[s]} activations at once, "
+                    f"1F1B holds {min(p - s, m)})",
+                )
+    # The lists are right: run them on the ranks and compare with single-process training.
+    _run_and_compare(lists[rank], p, len(lists[rank]) // 2)
+
+
+def _validate_stage(actions: Sequence[Action], stage: int, m: int) -> None:
+    seen = set()
+    for a in actions:
+        if not 0 <= a.microbatch < m:
+            raise ValueError(f"stage {stage}: micro-batch {a.microbatch} does not exist (0..{m - 1})")
+        if a in seen:
+            raise ValueError(f"stage {stage}: {a.kind}{a.microbatch} appears twice")
+        if a.kind == "B" and Action("F", a.microbatch, stage) not in seen:
+            raise ValueError(f"stage {stage}: B{a.microbatch} comes before F{a.microbatch}")
+        seen.add(a)
+    missing = [f"{k}{mb}" for mb in range(m) for k in "FB" if Action(k, mb, stage) not in seen]
+    if missing:
+        raise ValueError(f"stage {stage}: missing {' '.join(missing)}")
+
+
+def _run_and_compare(actions: Sequence[Action], p: int, m: int) -> None:
+    rank = dist.get_rank()
+    model = course_model(n_units=max(p, 2))
+    torch.manual_seed(1)
+    x, y = torch.randn(4 * m, 64), torch.randn(4 * m, 8)
+    _, expected = reference_stage_gradients(model, p, x, y)
+    mine = split_into_stages(course_model(n_units=max(p, 2)), p)[rank]
+    execute(actions, {rank: mine}, p, list(x.chunk(m)), list(y.chunk(m)), loss_fn, (4, 64))
+    for i, (param, want) in enumerate(zip(mine.parameters(), expected[rank])):
+        if not torch.allclose(grad_of(param), want, atol=1e-6, rtol=1e-4):
+            raise ExerciseFailed(f"stage {rank}: gradient of parameter {i} differs from single-process training")
+
+
+def solution_one_f_one_b(stage: int, n_stages: int, n_microbatches: int) -> list[tuple[str, int]]:
+    return [(a.kind, a.microbatch) for a in one_f_one_b_actions(stage, n_stages, n_microbatches)]

@@ -1,0 +1,177 @@
+"""Running a schedule for real: each rank takes its actions in order, sending activations and gradients.
+
+Everything here is plain torch.distributed: activations travel forward with ``isend`` and their
+gradients travel back the same way; a rank only ever blocks in ``recv``, waiting for data that some
+earlier action of another rank produces.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from course_lib.compare import grad_of
+from course_lib.pipeline.schedules import Action
+from course_lib.pipeline.timeline import Event
+
+
+class RunRecord(NamedTuple):
+    """What :func:`execute` returns on one rank."""
+
+    losses: dict[int, float]  # micro-batch -> loss (on the rank holding the last stage)
+    events: list[Event]  # this rank's actions, start/end in time.perf_counter() seconds
+    peak: dict[int, int]  # stage -> most activations held at once
+
+
+_MESSAGE_GROUPS: dict[str, dist.ProcessGroup] = {}
+
+
+def message_group() -> dist.ProcessGroup | None:
+    """The group :func:`execute` sends through: the default group when it is gloo, else a gloo group of all ranks.
+
+    NCCL runs a rank's sends and receives with one peer in order on one stream, so
+    "send F to the next rank, then receive B from it" on both sides of a pair can wait
+    on each other (production schedules batch such pairs); gloo matches each message by
+    its tag instead. Under NCCL the gloo group is created on the first call, which every
+    rank must therefore make.
+    """
+    if "gloo" in str(dist.get_backend()):
+        return None
+    if "gloo" not in _MESSAGE_GROUPS:
+        _MESSAGE_GROUPS["gloo"] = dist.new_group(backend="gloo")
+    return _MESSAGE_GROUPS["gloo"]
+
+
+def _tag(action_kind: str, microbatch: int, stage: int, n_microbatches: int) -> int:
+    # A distinct tag per message (named by the action and stage that sent it), so gloo matches
+    # each recv with its send whatever the order.
+    return 2 * (stage * n_microbatches + microbatch) + (0 if action_kind == "F" else 1)
+
+
+def execute(
+    actions: Sequence[Action],
+    modules: Mapping[int, nn.Module],
+    n_stages: int,
+    inputs: Sequence[torch.Tensor],
+    targets: Sequence[torch.Tensor],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    activation_shape: Sequence[int],
+    *,
+    stage_ranks: Sequence[int] | None = None,
+    min_seconds: dict[str, float] | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> RunRecord:
+    """Run this rank's `actions` over its stage `modules` ({stage: module}); gradients accumulate in them.
+
+    inputs/targets: the micro-batches (used by the first/last stage). Every
+    activation between stages has `activation_shape`. Each micro-batch's loss
+    is divided by the number of micro-batches, so the gradients equal those of
+    the mean loss over the whole batch. `stage_ranks[s % p]` is the global rank
+    holding stage s (default: rank s % p). `min_seconds` pads each action
+    to a fixed duration ({"F": ..., "B": ...}), as if every rank had its own device.
+    An event lasts until the rank has the result in hand (a late wake-up counts as busy).
+    Event times are seconds of time.perf_counter(), a clock all processes of one
+    machine share, so the ranks' timelines line up. Messages go through `group`
+    (default: :func:`message_group`), as CPU tensors unless it is the default group.
+    """
+    stage_ranks = list(stage_ranks) if stage_ranks is not None else list(range(dist.get_world_size()))
+    n_ranks, m = len(stage_ranks), len(inputs)
+    device = next(next(iter(modules.values())).parameters()).device
+    group = group if group is not None else message_group()
+    wire = device if group is None else torch.device("cpu")  # a gloo side group carries CPU tensors
+    saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (stage, mb) -> (input, output)
+    peak: dict[int, int] = {}
+    losses: dict[int, float] = {}
+    events: list[Event] = []
+    pending: list = []  # isend handles (their tensors must stay alive until sent)
+    pipeline_rank = stage_ranks.index(dist.get_rank())
+
+    here: dict[int, torch.Tensor] = {}  # results for a stage on this same rank (one rank, or interleaved): no message
+
+    def receive(kind: str, mb: int, src_stage: int) -> torch.Tensor:
+        tag = _tag(kind, mb, src_stage, m)
+        if src_stage % n_ranks == pipeline_rank:
+            return here.pop(tag)
+        buf = torch.empty(*activation_shape, device=wire)
+        dist.recv(buf, src=stage_ranks[src_stage % n_ranks], tag=tag, group=group)
+        return buf.to(device)
+
+    for action in actions:
+        kind, mb, stage = action
+        last = stage == n_stages - 1
+        # 1. wait for the data this action needs: time spent here is the bubble
+        if kind == "F":
+            x = inputs[mb].to(device) if stage == 0 else receive("F", mb, stage - 1).requires_grad_()
+        else:
+            grad = None if last else receive("B", mb, stage + 1)
+        # 2. compute
+        start = time.perf_counter()
+        if kind == "F":
+            out = modules[stage](x)
+            if last:
+                out = loss_fn(out, targets[mb].to(device))
+                losses[mb] = out.item()
+                out = out / m  # mean over micro-batches = mean over the batch
+            saved[(stage, mb)] = (x, out)  # kept until this micro-batch's backward
+            peak[stage] = max(peak.get(stage, 0), sum(1 for s, _ in saved if s == stage))
+            result, to_stage = (None if last else out.detach()), stage + 1
+        else:
+            x, out = saved.pop((stage, mb))
+            out.backward(grad)  # grad is None for the loss
+            result, to_stage = (x.grad if stage > 0 else None), stage - 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # time the kernels, not their launch
+        if min_seconds:  # the result is only "ready" once the emulated compute time has passed
+            time.sleep(max(0.0, start + min_seconds[kind] - time.perf_counter()))
+        events.append(Event(pipeline_rank, action, start, time.perf_counter()))
+        # 3. pass the result on without waiting for it to arrive
+        if result is not None and to_stage % n_ranks == pipeline_rank:
+            here[_tag(kind, mb, stage, m)] = result.detach().clone()
+        elif result is not None:
+            payload = result.to(wire)
+            work = dist.isend(payload, dst=stage_ranks[to_stage % n_ranks], tag=_tag(kind, mb, stage, m), group=group)
+            pending.append((work, payload))
+    for work, _ in pending:
+        work.wait()
+    return RunRecord(losses, events, peak)
+
+
+def naive_model_parallel(
+    stage_module: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    activation_shape: Sequence[int],
+) -> float | None:
+    """Naive model parallelism: rank k holds stage k; the whole batch goes forward rank by rank, then back.
+
+    Returns the loss on the last rank (None elsewhere); gradients accumulate in
+    `stage_module`. While one rank computes, every other rank waits in recv.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    first, last = rank == 0, rank == world - 1
+    # forward: receive the activation from the previous rank, compute, pass it on
+    inp = x if first else torch.empty(*activation_shape, device=x.device)
+    if not first:
+        dist.recv(inp, src=rank - 1)
+        inp.requires_grad_()
+    out = stage_module(inp)
+    if not last:
+        dist.send(out.detach(), dst=rank + 1)
+        # backward: wait for d loss / d out from the next rank, then back-propagate
+        grad_out = torch.empty_like(out)
+        dist.recv(grad_out, src=rank + 1)
+        out.backward(grad_out)
+        loss = None
+    else:
+        loss_tensor = loss_fn(out, y)
+        loss_tensor.backward()
+        loss = loss_tensor.item()
+    if not first:
+        dist.send(grad_of(inp), dst=rank - 1)  # d loss / d input is the previous rank's d loss / d out
+    return loss

@@ -1,0 +1,34 @@
+"""course_lib.tensor_parallel (notebook 06): column- and row-parallel layers from scratch, and torch's DTensor plans.
+
+One linear layer y = x Wᵀ + b is split over the N ranks of a tensor-parallel group. Autograd is told
+where the communication goes by conjugate operators (operators.py); the layers and the parallel
+TransformerBlock built from them are in layers.py; torch's parallelize_module plan in torch_plan.py;
+the exercise in checkers.py. The names below are those the notebook, tests and other modules use.
+"""
+
+from course_lib.tensor_parallel.checkers import check_split_backward, split_backward
+from course_lib.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    ParallelAttention,
+    ParallelTransformerBlock,
+    RowParallelLinear,
+    shard_of,
+)
+from course_lib.tensor_parallel.operators import COMMS, CopyToParallel, ReduceFromParallel, shard_size
+from course_lib.tensor_parallel.torch_plan import torch_parallel_block, tp_plan
+
+__all__ = [
+    "COMMS",
+    "ColumnParallelLinear",
+    "CopyToParallel",
+    "ParallelAttention",
+    "ParallelTransformerBlock",
+    "ReduceFromParallel",
+    "RowParallelLinear",
+    "check_split_backward",
+    "shard_of",
+    "shard_size",
+    "split_backward",
+    "torch_parallel_block",
+    "tp_plan",
+]

@@ -1,0 +1,52 @@
+"""The same split with torch's API: a parallelize_module plan of DTensor placements for TransformerBlock."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from course_lib.models import TransformerBlock
+from course_lib.tensor_parallel.operators import shard_size
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+
+def tp_plan(sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """parallelize_module plan for TransformerBlock: q/k/v/up column-wise, o/down row-wise.
+
+    With sequence_parallel the norms (and the dropout between them) work on a slice of the sequence:
+    the block's input and output are sharded on dim 1; an all-gather before attention/feed-forward
+    and a reduce-scatter after them replace each all-reduce.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+    plan: dict[str, ParallelStyle] = {f"attention.{name}": ColwiseParallel() for name in "qkv"}
+    plan["feed_forward.up"] = ColwiseParallel()
+    if not sequence_parallel:
+        plan["attention.o"] = RowwiseParallel()
+        plan["feed_forward.down"] = RowwiseParallel()
+        return plan
+    plan.update(
+        {
+            "norm1": SequenceParallel(),
+            "norm2": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "attention.o": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.down": RowwiseParallel(output_layouts=Shard(1)),
+        }
+    )
+    return plan
+
+
+def torch_parallel_block(mesh: DeviceMesh, sequence_parallel: bool = False, **block_args: Any) -> nn.Module:
+    """A TransformerBlock(**block_args) parallelized over `mesh` by :func:`tp_plan` (its heads must split evenly)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    heads = block_args.get("n_heads", 12)
+    shard_size(heads, mesh.size(), "attention heads")
+    return parallelize_module(TransformerBlock(**block_args), mesh, tp_plan(sequence_parallel))
