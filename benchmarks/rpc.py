@@ -19,10 +19,8 @@ from course_lib import rpc as rpc_lib
 from course_lib.launch import launch
 
 BODY = """
-import os
 import torch.distributed.rpc as rpc
 from course_lib import rpc as rpc_lib
-rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 rpc_lib.start(rank, world_size)
 latency, server_wall = None, {"sync": [], "async": []}
 if rank == 0:

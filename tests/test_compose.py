@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from course_lib import compose
+from course_lib.compare import max_difference
 from course_lib.exercises import check
 
 
@@ -72,3 +73,25 @@ def test_shard_loss_makes_uneven_shares_average_to_the_global_mean():
             compose.shard_loss(o, t, global_batch=12, dp=dp) for o, t in zip(out.tensor_split(dp), y.tensor_split(dp))
         ]
         assert torch.stack(shares).mean().item() == pytest.approx(compose.loss_fn(out, y).item(), rel=1e-6)
+
+
+def test_planner_sends_dp_traffic_over_the_clusters_inter_node_links():
+    llama = compose.LLAMA_70B
+    fast, slow = compose.Cluster(inter_node_GBps=400.0), compose.Cluster(inter_node_GBps=25.0)
+    inside = {c: compose.plan(llama, 2, 4, 1, c)["comm_s"] for c in (fast, slow)}  # tp x dp = 8: one node
+    across = {c: compose.plan(llama, 16, 4, 1, c)["comm_s"] for c in (fast, slow)}  # dp spans nodes
+    assert inside[fast] == inside[slow] and across[slow] > across[fast]
+    with pytest.raises(ValueError, match=r"tp <= 4\)"):
+        compose.plan(llama, 8, 8, 1, compose.Cluster(gpus_per_node=4))
+    assert all(r["tp"] <= 4 for r in compose.plan_options(llama, 64, compose.Cluster(gpus_per_node=4)))
+
+
+def test_unsharded_gradients_name_a_stages_blocks_as_in_the_whole_model():
+    x, y = compose.make_batch(global_batch=2)
+    _, reference = compose.reference_grads(4, x, y)
+    model = compose.make_model(4)
+    compose.loss_fn(model(x), y).backward()
+    second_stage = compose.stage_blocks(model, 1, pp=2)  # blocks 2 and 3, numbered 0 and 1 in the stage
+    got = compose.unsharded_gradients(second_stage, first_block=2)
+    assert sorted(got) == sorted(name for name in reference if name.split(".")[0] in ("2", "3"))
+    assert max_difference(got, reference) == 0.0

@@ -11,7 +11,7 @@ import torch
 
 from course_lib import debugging
 from course_lib.exercises import check
-from course_lib.launch import launcher
+from course_lib.launch import RankFailedError
 from tests.rank_programs import debugging as programs
 from tests.rank_programs import run
 
@@ -64,7 +64,7 @@ def test_differing_keys_names_the_odd_key():
 
 
 def test_detail_names_each_ranks_collective_on_four_ranks():
-    with pytest.raises(launcher.RankFailedError) as caught:
+    with pytest.raises(RankFailedError) as caught:
         run(programs.detail_mismatch, 4, timeout=120, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
     seen = {}
     for failure in caught.value.failures:

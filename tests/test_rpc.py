@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from course_lib import rpc as rpc_lib
+from course_lib.compare import max_difference
 from course_lib.exercises import check
 from course_lib.launch import launch
+from course_lib.rpc.agent import _is_torch_internal_backend_notice
 from tests.rank_programs import rpc as programs
 
 QUIET = dict(write=lambda text, stream: None)
@@ -21,9 +23,8 @@ def run_rpc(program, nproc, **kwargs):
     The launch result (for stderr) and each rank's dict, by rank.
     """
     body = (
-        "import os\n"
         f"from tests.rank_programs.rpc import {program.__name__}\n"
-        f"result = {program.__name__}(int(os.environ['RANK']), int(os.environ['WORLD_SIZE']), **program_kwargs)\n"
+        f"result = {program.__name__}(rank, world_size, **program_kwargs)\n"
     )
     done = launch(body, nproc, backend="gloo", init=False, out=["result"], push={"program_kwargs": kwargs}, **QUIET)
     return done, done.values["result"]
@@ -59,10 +60,10 @@ def test_only_torchs_backend_notice_is_recognised():
         "You are using a Backend <class 'torch.distributed.distributed_c10d.ProcessGroupGloo'> as a "
         "ProcessGroup. This usage is deprecated since PyTorch 2.0."
     )
-    assert rpc_lib._is_torch_internal_backend_notice(record(notice))
-    assert not rpc_lib._is_torch_internal_backend_notice(record(notice, category=FutureWarning))
-    assert not rpc_lib._is_torch_internal_backend_notice(record(notice, filename="/x/my_code.py"))
-    assert not rpc_lib._is_torch_internal_backend_notice(record("something else is deprecated"))
+    assert _is_torch_internal_backend_notice(record(notice))
+    assert not _is_torch_internal_backend_notice(record(notice, category=FutureWarning))
+    assert not _is_torch_internal_backend_notice(record(notice, filename="/x/my_code.py"))
+    assert not _is_torch_internal_backend_notice(record("something else is deprecated"))
 
 
 # ---- parameter server on 2, 3 and 4 processes ---------------------------------------------
@@ -75,10 +76,10 @@ def test_parameter_server_sync_equals_data_parallel_async_converges(nproc):
     for n_trainers in sorted({nproc - 1, 4}):
         reference, reference_losses = rpc_lib.data_parallel_reference(n_trainers, steps=STEPS)
         sync = runs["sync", n_trainers]
-        assert rpc_lib.max_difference(sync["parameters"], reference) < 1e-5, (nproc, n_trainers)
+        assert max_difference(sync["parameters"], reference) < 1e-5, (nproc, n_trainers)
         assert sync["losses"] == pytest.approx(reference_losses, abs=1e-5)
         assert sync["losses"][-1] < sync["losses"][0]
-        initial = rpc_lib.max_difference(reference, rpc_lib.snapshot(rpc_lib.make_model()))
+        initial = max_difference(reference, rpc_lib.snapshot(rpc_lib.make_model()))
         assert initial > 1e-2  # the comparison is not trivially true: training moved the parameters
 
         asynchronous = runs["async", n_trainers]
@@ -89,9 +90,9 @@ def test_parameter_server_sync_equals_data_parallel_async_converges(nproc):
         assert rpc_lib.full_data_loss(asynchronous["parameters"]) < 0.75 * start
         if n_trainers == 1:  # alone, a trainer is never stale and both servers take the same steps
             assert set(asynchronous["staleness"]) == {0}
-            assert rpc_lib.max_difference(asynchronous["parameters"], sync["parameters"]) < 1e-6
+            assert max_difference(asynchronous["parameters"], sync["parameters"]) < 1e-6
         else:  # one step per gradient instead of one per round: a different trajectory
-            assert rpc_lib.max_difference(asynchronous["parameters"], sync["parameters"]) > 1e-4
+            assert max_difference(asynchronous["parameters"], sync["parameters"]) > 1e-4
     # every rank hid exactly torch's one notice, nothing else
     assert all(len(r["hidden"]) <= 1 for r in ranks)
     assert not any("Warning" in text for text in result.attempts[-1].stderr.values())
@@ -130,10 +131,10 @@ def test_distributed_autograd_and_optimizer_match_local_training(nproc):
     local = rpc_lib.local_training_step(x, y, lr=0.5)
     assert distributed["owners"] == ["worker0", "worker1", f"worker{2 % nproc}"]
     assert distributed["loss"] == pytest.approx(local["loss"], abs=1e-6)
-    assert rpc_lib.max_difference(distributed["gradients"], local["gradients"]) < 1e-6
-    assert rpc_lib.max_difference(distributed["parameters"], local["parameters"]) < 1e-6
+    assert max_difference(distributed["gradients"], local["gradients"]) < 1e-6
+    assert max_difference(distributed["parameters"], local["parameters"]) < 1e-6
     before = [p.detach() for p in torch.nn.Sequential(*rpc_lib.three_stage_model()).parameters()]
-    assert rpc_lib.max_difference(distributed["parameters"], before) > 1e-3  # the optimizer did step
+    assert max_difference(distributed["parameters"], before) > 1e-3  # the optimizer did step
     assert distributed["local_grads_here"] == 2 * distributed["owners"].count("worker0")  # weight and bias
     stderr = "\n".join(result.attempts[-1].stderr.values())
     assert "Warning" not in stderr and "TorchScript" not in stderr, stderr

@@ -1,0 +1,101 @@
+"""Kernel side (figures only): the per-step plot of notebook 10, redrawn while the ranks train."""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+# The line train_monitored (train.py) prints each step, as the launcher shows it: prefixed with the rank.
+_STEP_LINE = re.compile(r"^\[rank (\d+)\] step (\d+) (\S+) s (\S+) MB")
+
+
+def plot_steps(
+    seconds: dict[int, list[float]], memory: dict[int, list[float]], samples_per_rank: int, title: str = ""
+) -> Figure:
+    """Two panels: global throughput per step as each rank measured it, and each rank's memory."""
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.2))
+    world = len(seconds)
+    for rank in sorted(seconds):
+        rate = [world * samples_per_rank / s for s in seconds[rank]]
+        left.plot(range(len(rate)), rate, marker=".", label=f"rank {rank}")
+        right.plot(range(len(memory[rank])), memory[rank], marker=".", label=f"rank {rank}")
+    left.set_xlabel("step"), left.set_ylabel("global samples / s")
+    left.set_title("throughput (N x batch / step time)")
+    right.set_ylim(bottom=0)  # from zero: a flat line should look flat, a leak like a ramp
+    right.set_xlabel("step"), right.set_ylabel("MB")
+    right.set_title("memory per rank")
+    left.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+class LiveStepPlot:
+    """Kernel side: the per-step figure, redrawn in place while the ranks train.
+
+    Pass ``write=live.write`` and ``stream=True`` to launcher.launch: it reads the ranks'
+    ``step ...`` lines as they come. In JupyterLab the figure updates through a display handle;
+    headless (COURSE_HEADLESS=1, papermill, nbval) nothing is drawn until :meth:`finish`, which
+    draws the final figure from the values the ranks returned.
+    """
+
+    def __init__(self, nproc: int, samples_per_rank: int, live: bool | None = None, every_s: float = 0.5):
+        from course_lib import viz
+
+        self.live = (not viz.headless()) if live is None else live
+        self.samples_per_rank = samples_per_rank
+        self.seconds: dict[int, list[float]] = {r: [] for r in range(nproc)}
+        self.memory: dict[int, list[float]] = {r: [] for r in range(nproc)}
+        self.every_s = every_s
+        self._last_draw = 0.0
+        self._handle = None
+        self.lines_seen = 0
+
+    def write(self, text: str, stream: str) -> None:
+        import sys
+
+        for line in text.splitlines():
+            match = _STEP_LINE.match(line)
+            if match:
+                rank = int(match.group(1))
+                self.seconds.setdefault(rank, []).append(float(match.group(3)))
+                self.memory.setdefault(rank, []).append(float(match.group(4)))
+                self.lines_seen += 1
+            elif stream == "stderr":
+                sys.stderr.write(line + "\n")  # anything else the ranks say stays visible
+            else:
+                sys.stdout.write(line + "\n")
+        if self.live and time.monotonic() - self._last_draw > self.every_s:
+            self._draw()
+
+    def _draw(self, title: str = "live") -> None:
+        import matplotlib.pyplot as plt
+        from IPython.display import display
+
+        fig = plot_steps(self.seconds, self.memory, self.samples_per_rank, title)
+        if self._handle is None:
+            self._handle = display(fig, display_id=True)
+        else:
+            self._handle.update(fig)
+        plt.close(fig)
+        self._last_draw = time.monotonic()
+
+    def finish(self, steps: list[dict[str, list[float]]]) -> None:
+        """Draw the final figure from the ranks' --out values (in place when live)."""
+        import matplotlib.pyplot as plt
+
+        seconds = {r: s["seconds"] for r, s in enumerate(steps)}
+        memory = {r: s["memory_mb"] for r, s in enumerate(steps)}
+        if self.live:
+            self.seconds, self.memory = seconds, memory
+            self._draw(title="final")
+            return
+        plot_steps(seconds, memory, self.samples_per_rank)
+        plt.show()

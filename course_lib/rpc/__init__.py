@@ -1,0 +1,60 @@
+"""Notebook 08: remote procedure calls (torch.distributed.rpc).
+
+- :mod:`.agent`: `start`, init_rpc under the course's worker names ("server", "trainer<r>");
+- :mod:`.remote_functions`: the small remote functions and the remote model of the first examples;
+- :mod:`.train`: the model, data and data-parallel reference the parameter servers are compared with;
+- :mod:`.parameter_server`: the batching (sync) and lock-per-update (async) servers and their driver;
+- :mod:`.distributed_autograd`: a forward across three workers, backward and step on every owner;
+- :mod:`.latency`: round trips timed on a worker, the alpha-beta fit;
+- :mod:`.checkers`: the exercise (a counter behind an RRef) and its checker.
+"""
+
+from course_lib.rpc.agent import SERVER, start, worker_name
+from course_lib.rpc.checkers import Counter, check_counter
+from course_lib.rpc.distributed_autograd import distributed_training_step, local_training_step, three_stage_model
+from course_lib.rpc.latency import fit_latency_model, rpc_latency
+from course_lib.rpc.parameter_server import (
+    BatchingParameterServer,
+    LockingParameterServer,
+    run_parameter_server,
+    train_on_trainer,
+)
+from course_lib.rpc.remote_functions import (
+    RemoteModel,
+    add,
+    captured_stderr,
+    fail,
+    sleep_then_return,
+    wait_for_slow_call,
+    who_am_i,
+)
+from course_lib.rpc.train import data_parallel_reference, full_data_loss, make_model, snapshot, trainer_batch
+
+__all__ = [
+    "SERVER",
+    "BatchingParameterServer",
+    "Counter",
+    "LockingParameterServer",
+    "RemoteModel",
+    "add",
+    "captured_stderr",
+    "check_counter",
+    "data_parallel_reference",
+    "distributed_training_step",
+    "fail",
+    "fit_latency_model",
+    "full_data_loss",
+    "local_training_step",
+    "make_model",
+    "rpc_latency",
+    "run_parameter_server",
+    "sleep_then_return",
+    "snapshot",
+    "start",
+    "three_stage_model",
+    "train_on_trainer",
+    "trainer_batch",
+    "wait_for_slow_call",
+    "who_am_i",
+    "worker_name",
+]

@@ -1,0 +1,41 @@
+"""What one RPC costs: round trips timed on a worker, and the alpha-beta model fitted to them."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed.rpc as rpc
+
+from course_lib.rpc.remote_functions import echo
+
+
+def rpc_latency(peer: str, sizes_bytes: list[int], repeats: int = 7, warmup: int = 3) -> dict[int, float]:
+    """Median round-trip time (seconds) of rpc_sync(echo) of a float32 tensor of each size.
+
+    The sizes are visited in alternating rounds, so drift of a shared machine hits all alike.
+    """
+    tensors = {n: torch.zeros(max(1, n // 4)) for n in sizes_bytes}
+    for _ in range(warmup):
+        rpc.rpc_sync(peer, echo, args=(tensors[sizes_bytes[0]],))
+    times: dict[int, list[float]] = {n: [] for n in sizes_bytes}
+    for _ in range(repeats):
+        for n in sizes_bytes:
+            start_time = time.perf_counter()
+            rpc.rpc_sync(peer, echo, args=(tensors[n],))
+            times[n].append(time.perf_counter() - start_time)
+    return {n: statistics.median(ts) for n, ts in times.items()}
+
+
+def fit_latency_model(latency: dict[int, float]) -> tuple[float, float]:
+    """alpha (s) and beta (bytes/s) of t(n) = alpha + 2n/beta (2n: the tensor travels there and back).
+
+    alpha: the smallest round trip measured (a few bytes cost nothing else);
+    beta: from the largest size, where the bandwidth term dominates.
+    """
+    sizes = sorted(latency)
+    alpha = min(latency.values())
+    largest = sizes[-1]
+    beta = 2.0 * largest / max(latency[largest] - alpha, 1e-9)
+    return alpha, beta
