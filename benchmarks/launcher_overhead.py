@@ -30,13 +30,13 @@ def main() -> None:
 
     from IPython.core.interactiveshell import InteractiveShell
 
-    from course_lib.launch import launcher
+    from course_lib.launch import launch, standalone_script
 
     shell = InteractiveShell.instance()
     shell.run_line_magic("load_ext", "course_lib")
     script = os.path.join(tempfile.mkdtemp(), "bare.py")
     with open(script, "w") as f:  # the same program, as plain torchrun users write it
-        f.write(launcher.standalone_script(BODY, backend="gloo", nproc=args.nproc))
+        f.write(standalone_script(BODY, backend="gloo", nproc=args.nproc))
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.nproc))}
     bare_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}", script]
 
@@ -44,7 +44,7 @@ def main() -> None:
     quiet = lambda text, stream: None
     for i in range(args.repeats + 1):  # the first round warms the file cache and is dropped
         start = time.perf_counter()
-        launcher.launch(BODY, args.nproc, backend="gloo", write=quiet)
+        launch(BODY, args.nproc, backend="gloo", write=quiet)
         t_magic = time.perf_counter() - start
         start = time.perf_counter()
         subprocess.run(bare_cmd, check=True, capture_output=True, env=env)

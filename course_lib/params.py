@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from course_lib.launch.backend import LaunchError, resolve_backend
-from course_lib.launch.launcher import check_nproc
+from course_lib.launch.spec import check_nproc
 
 TRIED_ON_CPU = range(1, 9)  # the world sizes every notebook is tried at on the CPU
 

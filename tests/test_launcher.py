@@ -16,7 +16,16 @@ import psutil
 import pytest
 import torch
 
-from course_lib.launch import LaunchError, RankFailedError, RunTimeoutError, backend, launch, launcher
+from course_lib.launch import (
+    LaunchError,
+    RankFailedError,
+    RunSpec,
+    RunTimeoutError,
+    backend,
+    launch,
+    standalone_script,
+)
+from course_lib.launch.spec import RunDir
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,6 +80,7 @@ def test_output_grouped_in_rank_order_and_values_round_trip():
     assert out.stdout.splitlines() == [
         f"[rank {r}] {text} {r}" for r in range(3) for text in ("hello from", "line two")
     ]
+    assert out.stderr == ""  # nothing of the launcher's own: no warning about how the worker module starts
     assert [d.tolist() for d in result.values["doubled"]] == [(payload * k).tolist() for k in (1, 2, 3)]
     assert result.values["info"] == [{"rank": r, "names": ["a", "b"]} for r in range(3)]
 
@@ -228,32 +238,78 @@ def test_no_init_leaves_the_group_to_the_cell_but_says_where_it_runs():
     }
 
 
-def test_saved_script_runs_under_plain_torchrun(tmp_path):
-    body = "t = torch.tensor([float(rank)])\ndist.all_reduce(t)\nprint(f'sum {t.item():g} on rank {rank}')\n"
-    script = tmp_path / "job.py"
-    script.write_text(launcher.standalone_script(body, backend="gloo", nproc=3))
+def run_under_plain_torchrun(script: Path, nproc: int) -> list[str]:
+    """The lines the ranks print, each prefixed [rank]; the run must succeed."""
     # --tee copies each rank's output line by line (plain pipes would interleave the ranks' writes)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "3",
-            "--tee",
-            "3",
-            str(script),
-        ],
+        [*torchrun, "--tee", "3", str(script)],
         capture_output=True,
         text=True,
         timeout=120,
         env={**os.environ, "OMP_NUM_THREADS": "1", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[${rank}] "},
     )
     assert done.returncode == 0, done.stderr
-    assert sorted(line for line in done.stdout.splitlines() if "sum" in line) == [
+    return done.stdout.splitlines()
+
+
+def test_saved_script_runs_under_plain_torchrun(tmp_path):
+    body = "t = torch.tensor([float(rank)])\ndist.all_reduce(t)\nprint(f'sum {t.item():g} on rank {rank}')\n"
+    script = tmp_path / "job.py"
+    script.write_text(standalone_script(body, backend="gloo", nproc=3))
+    assert sorted(line for line in run_under_plain_torchrun(script, 3) if "sum" in line) == [
         f"[{r}] sum 3 on rank {r}" for r in range(3)
     ]
+
+
+def test_saved_no_init_script_sees_what_the_cell_sees(tmp_path):
+    """A --no-init cell gets rank, world_size, local_rank and torch in the magic and in its saved script."""
+    body = textwrap.dedent("""
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t)
+        print(f"sum {t.item():g} on rank {rank} of {world_size}, local rank {local_rank}")
+        dist.destroy_process_group()
+    """)
+    expected = [f"sum 3 on rank {r} of 3, local rank {r}" for r in range(3)]
+    out = Captured()
+    launch(body, 3, backend="gloo", init=False, write=out)
+    assert out.stdout.splitlines() == [f"[rank {r}] {line}" for r, line in enumerate(expected)]
+    script = tmp_path / "job.py"
+    script.write_text(standalone_script(body, backend="gloo", init=False, nproc=3))
+    assert sorted(line for line in run_under_plain_torchrun(script, 3) if "sum" in line) == [
+        f"[{r}] {line}" for r, line in enumerate(expected)
+    ]
+
+
+def test_spec_is_checked_once_and_read_back_by_the_ranks_unchanged(tmp_path):
+    spec = RunSpec.create(
+        nproc="3", backend="gloo", timeout="30", out="a,b", push=["w"], max_restarts="1", node_rank="1", env={"X": 1}
+    )
+    assert spec == RunSpec(
+        nproc=3, backend="gloo", timeout=30.0, out=("a", "b"), push=("w",), max_restarts=1, node_rank=1, env={"X": "1"}
+    )
+    assert spec.first_rank == 3 and not spec.multi_node and spec.pg_timeout_s == 20.0
+    run = RunDir(tmp_path)
+    spec.write(run)
+    assert RunSpec.read(run) == spec
+    with pytest.raises(TypeError, match="no run option nprocs"):
+        RunSpec.create(nprocs=2)
+
+
+def test_run_dir_names_attempts_in_one_place(tmp_path):
+    run = RunDir(tmp_path)
+    for attempt, rank in ((0, 0), (0, 1), (10, 1), (2, 0)):  # attempt 10 sorts after 2 as a number
+        run.attempt(attempt).mkdir(parents=True, exist_ok=True)
+        run.pid_file(attempt, rank).write_text(str(1000 + 10 * attempt + rank))
+    run.done_file(10, 1).touch()
+    assert run.attempts() == [0, 2, 10]
+    assert run.started(0) == [0, 1] and run.started(10) == [1]
+    assert sorted(run.pids()) == [1000, 1001, 1020, 1101]
+    for attempt in (0, 3, 11):
+        (run.logs / "job_x" / f"attempt_{attempt}").mkdir(parents=True)
+    assert [index for index, _ in run.log_attempts()] == [0, 3, 11]
 
 
 # ---- bad input fails at once, before anything starts ------------------------

@@ -8,7 +8,7 @@ import subprocess
 import threading
 from pathlib import Path
 
-from course_lib.launch import launcher
+from course_lib.launch import launch, standalone_script
 
 ROOT = Path(__file__).resolve().parent.parent
 BODY = "t = torch.tensor([float(rank)])\ndist.all_reduce(t)\nprint(f'rank {rank} of {world_size}: sum {t.item():g}')\n"
@@ -22,7 +22,7 @@ def free_port() -> int:
 
 def test_two_agents_run_a_saved_cell_as_one_job(tmp_path):
     script = tmp_path / "job.py"
-    script.write_text(launcher.standalone_script(BODY, backend="gloo", nproc=2))
+    script.write_text(standalone_script(BODY, backend="gloo", nproc=2))
     done = subprocess.run(
         ["bash", str(ROOT / "launch" / "multinode_local.sh"), str(script)], capture_output=True, text=True, timeout=180
     )
@@ -37,7 +37,7 @@ def test_magic_passes_multi_node_flags_through():
     def node():
         try:
             results.append(
-                launcher.launch(
+                launch(
                     BODY + "mine = (rank, t.item())\n",
                     2,
                     backend="gloo",

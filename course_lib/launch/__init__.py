@@ -1,25 +1,24 @@
 """The kernel side of a fresh world per cell, and the rank side it starts.
 
-    magic     `%%torchrun`: flags -> a RunSpec
-    spec      the run, described once, validated once, shared with the worker through the run directory
-    backend   'auto' -> gloo or nccl, in one place
-    launcher  starts torchrun, waits, ends every process, reports
-    worker    what torchrun starts on each rank; runtime: the process group inside a rank
-    runner    executes whole notebooks with papermill
+    magic      `%%torchrun`: its flags, defined once -> a RunSpec
+    spec       RunSpec: the run, described and checked once; RunDir: the files kernel and ranks share
+    backend    'auto' -> gloo or nccl, in one place
+    launcher   launch(): writes the run directory, starts torchrun, waits, reports; standalone_script
+    processes  the torchrun agent and the ranks: started, watched, every one ended
+    output     rank output (grouped or streamed), --out values, RunResult
+    failures   which rank failed and how: RankFailedError, RunTimeoutError
+    worker     what torchrun starts on each rank (not imported here: torchrun runs it as __main__)
+    runtime    the process group inside a rank
+    runner     executes whole notebooks with papermill
 
 Importing this package does not import torch (a rank imports it before recording its pid).
 """
 
 from course_lib.launch.backend import BACKENDS, LaunchError, available_gpus, resolve_backend
-from course_lib.launch.launcher import (
-    DEFAULT_TIMEOUT_S,
-    RankFailedError,
-    RankFailure,
-    RunResult,
-    RunTimeoutError,
-    launch,
-    standalone_script,
-)
+from course_lib.launch.failures import RankFailedError, RankFailure, RunTimeoutError
+from course_lib.launch.launcher import launch, standalone_script
+from course_lib.launch.output import RunResult
+from course_lib.launch.spec import DEFAULT_TIMEOUT_S, RunSpec
 
 __all__ = [
     "BACKENDS",
@@ -28,6 +27,7 @@ __all__ = [
     "RankFailedError",
     "RankFailure",
     "RunResult",
+    "RunSpec",
     "RunTimeoutError",
     "available_gpus",
     "launch",

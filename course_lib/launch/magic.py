@@ -3,110 +3,114 @@
     %%torchrun -n $NPROC --backend $BACKEND --out loss
     loss = train_one_step(rank)
 
-See `%%torchrun?` for every flag. The work is done by course_lib.launch.launcher.
+The flags are defined here, once, with their help (`%%torchrun?` shows it). They arrive as text
+and go unchecked into RunSpec.create, which checks and converts them; a flag left out takes the
+spec's default. The run itself is launcher.run_cell's.
 """
 
 from __future__ import annotations
 
-import argparse
-import shlex
 from pathlib import Path
+from typing import Any
 
+from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from course_lib.launch import launcher
+from course_lib.launch.backend import LaunchError
+from course_lib.launch.launcher import run_cell, standalone_script
+from course_lib.launch.spec import RunSpec
 
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse would print usage and exit the kernel's SystemExit path
-        raise launcher.LaunchError(f"{message}. Usage: {self.format_usage().strip()}")
-
-
-def _parser() -> _Parser:
-    p = _Parser(prog="%%torchrun", add_help=False, allow_abbrev=False)
-    p.add_argument(
-        "-n", "--nproc-per-node", "--nproc", dest="nproc", default="2", help="ranks on this node (default 2)"
-    )
-    p.add_argument("--backend", default="auto", help="auto (nccl with GPUs, else gloo), gloo or nccl")
-    p.add_argument(
-        "--timeout",
-        default=str(launcher.DEFAULT_TIMEOUT_S),
-        help=f"wall-clock seconds for the whole run, start-up included, before every process is ended "
-        f"(default {launcher.DEFAULT_TIMEOUT_S:g})",
-    )
-    p.add_argument("--out", default="", help="comma-separated names whose per-rank values come back as lists")
-    p.add_argument("--push", default="", help="comma-separated notebook variables sent to every rank")
-    p.add_argument("--stream", action="store_true", help="print rank output live, prefixed [rank N]")
-    p.add_argument(
-        "--no-init",
-        dest="init",
-        action="store_false",
-        help="do not create the process group: the cell calls init_process_group itself",
-    )
-    p.add_argument("--save", default=None, help="also write the cell as a script for plain torchrun")
-    p.add_argument("--max-restarts", default="0", help="torchrun restarts of the whole group after a failure")
-    for flag in ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-backend", "--rdzv-id"):
-        p.add_argument(flag, default=None, help="passed to torchrun")
-    return p
-
-
-def _as_int(value: str, flag: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise launcher.LaunchError(f"{flag} takes a whole number, got {value!r}") from None
-
-
-def _as_float(value: str, flag: str) -> float:
-    try:
-        return float(value)
-    except ValueError:
-        raise launcher.LaunchError(f"{flag} takes a number of seconds, got {value!r}") from None
+_RDZV_HELP = "torchrun's own flag, passed through (several nodes: see launch/README.md)"
 
 
 @magics_class
 class TorchrunMagics(Magics):
+    @magic_arguments(name="%torchrun")  # the usage line then reads %%torchrun
+    @argument(
+        "-n",
+        "--nproc-per-node",
+        "--nproc",
+        dest="nproc",
+        metavar="N",
+        help=f"ranks on this node (default {RunSpec.nproc})",
+    )
+    @argument(
+        "--backend",
+        metavar="NAME",
+        help=f"auto (nccl with one GPU per rank where GPUs exist, else gloo), gloo or nccl (default {RunSpec.backend})",
+    )
+    @argument(
+        "--timeout",
+        metavar="S",
+        help="wall-clock seconds for the whole run, start-up included, before every process is ended "
+        f"(default {RunSpec.timeout:g})",
+    )
+    @argument(
+        "--out",
+        metavar="NAMES",
+        help="comma-separated names whose values come back into the notebook, as lists indexed by rank",
+    )
+    @argument(
+        "--push", metavar="NAMES", help="comma-separated notebook variables sent to every rank before the cell runs"
+    )
+    @argument("--stream", action="store_const", const=True, help="print rank output live, prefixed [rank N]")
+    @argument(
+        "--no-init",
+        dest="init",
+        action="store_const",
+        const=False,
+        help="do not create the process group: the cell calls init_process_group itself. It still gets "
+        "rank, world_size and local_rank (from torchrun's environment) and torch; no dist, no device",
+    )
+    @argument("--save", metavar="PATH", help="also write the cell as a script for plain torchrun")
+    @argument(
+        "--max-restarts",
+        metavar="K",
+        help=f"torchrun restarts of the whole group after a failure (default {RunSpec.max_restarts})",
+    )
+    @argument("--nnodes", metavar="N", help=_RDZV_HELP)
+    @argument("--node-rank", metavar="I", help=_RDZV_HELP)
+    @argument("--rdzv-endpoint", metavar="HOST:PORT", help=_RDZV_HELP)
+    @argument("--rdzv-backend", metavar="NAME", help=_RDZV_HELP)
+    @argument("--rdzv-id", metavar="ID", help=_RDZV_HELP)
     @cell_magic
-    def torchrun(self, line: str, cell: str):
-        """Run the cell on N ranks under torchrun. Flags: -n N, --backend auto|gloo|nccl,
-        --timeout S, --out a,b, --push a,b, --stream, --no-init, --save PATH,
-        --max-restarts K, and torchrun's --nnodes/--node-rank/--rdzv-endpoint/--rdzv-backend/--rdzv-id.
+    def torchrun(self, line: str, cell: str) -> None:
+        """Run the cell on N ranks, each a fresh process started by the real torchrun.
 
-        With the default init, the body sees `torch`, `dist`, `rank`, `world_size`,
-        `local_rank` and `device`, and the process group is destroyed after it.
+        With the default init, the body sees `torch`, `dist`, `rank`, `world_size`, `local_rank`
+        and `device`, and the process group is destroyed after it. Output comes back grouped by
+        rank; `--out` values become notebook variables; a failing rank raises RankFailedError.
+        Notebook variables expand in the flags: `-n $NPROC`.
         """
         shell = self.shell
         assert shell is not None, "the magic is registered by load_ext, which sets the shell"
-        args = _parser().parse_args(shlex.split(line))
-        nproc = launcher.check_nproc(args.nproc)
-        out = launcher.check_names(args.out.split(","), "--out")
-        push_names = launcher.check_names(args.push.split(","), "--push")
-        undefined = [n for n in push_names if n not in shell.user_ns]
+        flags = parse_flags(line)
+        save = flags.pop("save", None)
+        spec = RunSpec.create(**flags)
+        undefined = [n for n in spec.push if n not in shell.user_ns]
         if undefined:
-            raise launcher.LaunchError(
+            raise LaunchError(
                 f"--push names {', '.join(undefined)}, not defined in the notebook: run the cell that defines it first"
             )
-        push = {n: shell.user_ns[n] for n in push_names}
-        if args.save:
-            launcher.resolve_backend(args.backend, nproc)  # refuse impossible requests before writing
-            Path(args.save).write_text(
-                launcher.standalone_script(cell, backend=args.backend, init=args.init, nproc=nproc)
-            )
-        result = launcher.launch(
-            cell,
-            nproc,
-            backend=args.backend,
-            timeout=_as_float(args.timeout, "--timeout"),
-            out=out,
-            push=push,
-            stream=args.stream,
-            init=args.init,
-            max_restarts=_as_int(args.max_restarts, "--max-restarts"),
-            nnodes=args.nnodes,
-            node_rank=args.node_rank,
-            rdzv_endpoint=args.rdzv_endpoint,
-            rdzv_backend=args.rdzv_backend,
-            rdzv_id=args.rdzv_id,
-        )
+        if save:
+            # The backend as asked: "auto" in a saved script picks on the machine that runs it.
+            backend = flags.get("backend", RunSpec.backend)
+            Path(save).write_text(standalone_script(cell, backend=backend, init=spec.init, nproc=spec.nproc))
+        result = run_cell(spec, cell, {n: shell.user_ns[n] for n in spec.push})
         shell.user_ns.update(result.values)
         shell.user_ns["_torchrun"] = result
+
+
+# magic_arguments' parser cannot be built with allow_abbrev=False; argparse reads it when parsing.
+# Without it `--time 5` would pass for --timeout.
+TorchrunMagics.torchrun.parser.allow_abbrev = False  # type: ignore[attr-defined]
+
+
+def parse_flags(line: str) -> dict[str, Any]:
+    """The flags given in `line`, as text, by RunSpec field name (and `save`); LaunchError for a bad line."""
+    try:
+        args = parse_argstring(TorchrunMagics.torchrun, line)
+    except (UsageError, ValueError) as error:  # ValueError: unbalanced quotes
+        raise LaunchError(f"%%torchrun: {error} (`%%torchrun?` lists every flag)") from None
+    return {name: value for name, value in vars(args).items() if value is not None}

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import nbformat
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository (this file is course_lib/launch/runner.py)
 NOTEBOOKS = ROOT / "notebooks"
 DEFAULT_OUT = ROOT / "build" / "course"
 RANK_ERRORS = ("RankFailedError", "RunTimeoutError")  # the launcher's errors, raised for failing ranks

@@ -1,16 +1,16 @@
-"""The program torchrun starts on every rank of a `%%torchrun` cell.
+"""The program torchrun starts on every rank of a `%%torchrun` cell, and the same as a script.
 
     python -m torch.distributed.run ... --module course_lib.launch.worker RUN_DIR
 
-RUN_DIR (written by :mod:`course_lib.launch.launcher`) holds `config.json`, the cell
-body `cell.py` and the pushed values. This process records its pid so the
-launcher can end it, dies with its torchrun agent, runs the body, and leaves
-behind the `--out` values, a `done` marker, or a torchelastic error file.
+RUN_DIR (a :class:`~course_lib.launch.spec.RunDir`, written by the launcher) holds the spec, the
+cell body and the pushed values. This process records its pid so the launcher can end it, dies with
+its torchrun agent, runs the body, and leaves behind the `--out` values, a `done` marker, or a
+torchelastic error file. launcher.standalone_script writes what it does for a cell as a script that
+plain torchrun runs (`%%torchrun --save`): change both together.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -18,6 +18,8 @@ import threading
 import time
 import types
 from pathlib import Path
+
+from course_lib.launch.spec import RunDir, RunSpec
 
 
 def die_with_parent() -> None:
@@ -57,14 +59,6 @@ def _is_torchrun_agent(pid: int) -> bool:
     return b"torch.distributed.run" in command or b"torchrun" in command
 
 
-def rank_paths(run_dir: Path, rank: int) -> dict[str, Path]:
-    """Files a rank leaves for the launcher, per restart attempt."""
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    base = run_dir / "ranks" / f"attempt_{attempt}"
-    base.mkdir(parents=True, exist_ok=True)
-    return {"pid": base / f"{rank}.pid", "done": base / f"{rank}.done", "out": run_dir / "out" / f"{rank}.pt"}
-
-
 def trim_to_cell(exc: BaseException, cell_file: str) -> None:
     """Drop the worker's own frames so the traceback starts in the cell body."""
     tb = exc.__traceback__
@@ -78,14 +72,15 @@ class MissingOutError(NameError):
     pass
 
 
-def main(run_dir: Path) -> None:
+def main(run: RunDir) -> None:
     die_with_parent()
-    config = json.loads((run_dir / "config.json").read_text())
-    rank = int(os.environ["RANK"])
-    paths = rank_paths(run_dir, rank)
-    paths["pid"].write_text(str(os.getpid()))
+    spec = RunSpec.read(run)
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    run.attempt(attempt).mkdir(parents=True, exist_ok=True)
+    run.pid_file(attempt, rank).write_text(str(os.getpid()))
     # Log files are named by local rank; with several nodes the global rank is only known here.
-    (paths["pid"].parent / f"local_{os.environ['LOCAL_RANK']}").write_text(str(rank))
+    run.local_file(attempt, local_rank).write_text(str(rank))
 
     import torch  # after the pid is recorded: importing takes seconds
 
@@ -93,44 +88,39 @@ def main(run_dir: Path) -> None:
     main_module = types.ModuleType("__main__")
     sys.modules["__main__"] = main_module
     namespace = main_module.__dict__
-    cell_file = str(run_dir / "cell.py")
+    cell_file = str(run.cell)
     # Every cell knows where it runs; --no-init cells create the process group themselves.
-    namespace.update(
-        torch=torch,
-        rank=rank,
-        world_size=int(os.environ["WORLD_SIZE"]),
-        local_rank=int(os.environ["LOCAL_RANK"]),
-    )
+    namespace.update(torch=torch, rank=rank, world_size=int(os.environ["WORLD_SIZE"]), local_rank=local_rank)
     try:
-        if config["init"]:
+        if spec.init:
             import torch.distributed as dist
 
             from course_lib.launch import runtime
 
-            ctx = runtime.init_distributed(config["backend"], config["pg_timeout_s"])
+            ctx = runtime.init_distributed(spec.backend, spec.pg_timeout_s)
             namespace.update(dist=dist, device=ctx.device)
-        if config["push"]:
-            namespace.update(torch.load(run_dir / "push.pt", weights_only=False))
+        if spec.push:
+            namespace.update(torch.load(run.push, weights_only=False))
         source = Path(cell_file).read_text()
         exec(compile(source, cell_file, "exec"), namespace)
-        missing = [name for name in config["out"] if name not in namespace]
+        missing = [name for name in spec.out if name not in namespace]
         if missing:
             raise MissingOutError(
                 f"--out names {', '.join(missing)}, but this rank never set "
                 f"{'it' if len(missing) == 1 else 'them'}: assign it in the cell on every rank"
             )
-        if config["out"]:
-            paths["out"].parent.mkdir(exist_ok=True)
-            torch.save({name: namespace[name] for name in config["out"]}, paths["out"])
+        if spec.out:
+            run.out(rank).parent.mkdir(exist_ok=True)
+            torch.save({name: namespace[name] for name in spec.out}, run.out(rank))
         namespace.clear()  # the cell's objects must go while the group exists (see runtime.shutdown)
-        if config["init"]:
+        if spec.init:
             from course_lib.launch import runtime
 
             runtime.shutdown()
     except BaseException as exc:
         if not (isinstance(exc, SystemExit) and exc.code in (None, 0)):  # sys.exit() in a cell is a success
             record_and_exit(exc, cell_file)
-    paths["done"].touch()
+    run.done_file(attempt, rank).touch()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # the run is complete: no interpreter teardown that could still abort it
@@ -149,4 +139,4 @@ def record_and_exit(exc: BaseException, cell_file: str) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(RunDir(Path(sys.argv[1])))

@@ -1,0 +1,171 @@
+"""Which rank failed, how, and why: the errors a failing cell raises and the message they carry.
+
+A rank that raises leaves torchelastic's error file (the exception and the cell line); a rank that
+dies without raising (a signal, os._exit) leaves only traces in the agent's log and a pid without a
+`done` marker. The first failure is usually the root cause; its peers fail because they lost it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from course_lib.launch.output import Attempt, RunResult
+    from course_lib.launch.spec import RunDir, RunSpec
+
+CELL_NAME = "<torchrun cell>"  # how tracebacks and output name the cell's file
+
+
+@dataclass
+class RankFailure:
+    rank: int
+    kind: str  # "raised", "signal", "exit", "stopped", "running"
+    summary: str  # e.g. "ValueError: boom" or "killed by SIGKILL"
+    traceback: str = ""
+    cell_line: int | None = None
+
+
+class RankFailedError(RuntimeError):
+    """One or more ranks failed; the message names them and the failing line of the cell."""
+
+    def __init__(self, message: str, failures: list[RankFailure], result: RunResult):
+        super().__init__(message)
+        self.failures = failures
+        self.result = result
+
+    @property
+    def ranks(self) -> list[int]:
+        return [f.rank for f in self.failures if f.kind not in ("stopped",)]
+
+    def _render_traceback_(self) -> list[str]:
+        lines = [f"{type(self).__name__}: {self}"]
+        if self.failures and self.failures[0].traceback:
+            lines += ["", f"--- rank {self.failures[0].rank} traceback ---", self.failures[0].traceback.rstrip()]
+        return lines
+
+
+class RunTimeoutError(RankFailedError, TimeoutError):
+    """The run passed its wall-clock limit; every process was ended."""
+
+
+def failure_from_error_file(rank: int, path: Path, cell_file: str) -> RankFailure:
+    """The exception a rank recorded in torchelastic's error file, with its innermost cell line."""
+    data = json.loads(path.read_text())["message"]
+    callstack = data["extraInfo"]["py_callstack"]
+    lines = [int(m) for m in re.findall(rf'File "{re.escape(cell_file)}", line (\d+)', callstack)]
+    cell_line = lines[-1] if lines else None  # innermost frame inside the cell
+    tb = callstack.replace(cell_file, CELL_NAME)
+    return RankFailure(rank, "raised", data["message"], tb, cell_line)
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def _agent_exit_codes(agent_log: str) -> dict[int, int]:
+    """torchrun's failure summary: 'rank : 1 (local_rank: 1)' followed by 'exitcode : -9'."""
+    codes = {}
+    for match in re.finditer(r"rank\s*:\s*(\d+) \(local_rank.*?\n\s*exitcode\s*:\s*(-?\d+)", agent_log):
+        codes[int(match.group(1))] = int(match.group(2))
+    return codes
+
+
+def add_silent_deaths(attempts: list[Attempt], agent_log: str, run: RunDir) -> None:
+    """Name the ranks that died without raising: the likely root cause of their peers' errors.
+
+    Such a rank started (pid recorded) but left neither an error file nor a `done` marker, and
+    the agent did not stop it ('Sending process P closing signal SIGTERM'). The agent's
+    'failed (exitcode: -9) ... (pid: P)' line, when it saw that rank first, gives the signal.
+    """
+    stopped = {int(pid) for pid in re.findall(r"Sending process (\d+) closing signal", agent_log)}
+    codes = {
+        int(pid): int(code)
+        for code, pid in re.findall(r"failed \(exitcode: (-?\d+)\) local_rank: \d+ \(pid: (\d+)\)", agent_log)
+    }
+    by_index = {a.index: a for a in attempts}
+    for index, rank, pid_file in reversed(run.pid_files()):  # inserted first: the lowest rank leads
+        attempt = by_index.get(index)
+        pid = int(pid_file.read_text() or 0)
+        if (
+            attempt is None
+            or pid in stopped
+            or run.done_file(index, rank).exists()
+            or rank in {f.rank for f in attempt.failures}
+        ):
+            continue
+        code = codes.get(pid)
+        if code is not None and code < 0:
+            summary = f"was killed by {_signal_name(code)}"
+        elif code:
+            summary = f"exited with code {code} without raising"
+        else:
+            summary = "died without raising an exception (killed by a signal, or os._exit)"
+        attempt.failures.insert(0, RankFailure(rank, "signal", summary))
+
+
+def running_ranks(run: RunDir, spec: RunSpec) -> list[int]:
+    """Ranks of the last attempt that started and did not finish (this node's, if none started)."""
+    attempts = run.attempts()
+    if not attempts:
+        return list(range(spec.first_rank, spec.first_rank + spec.nproc))
+    last = attempts[-1]
+    return [r for r in run.started(last) if not run.done_file(last, r).exists()]
+
+
+def final_failures(attempts: list[Attempt], agent_log: str) -> list[RankFailure]:
+    """Who failed in the last attempt, and how: raised, killed by a signal, or stopped by torchrun."""
+    raised = attempts[-1].failures if attempts else []
+    failed = {f.rank for f in raised}
+    died, stopped = [], []
+    codes = {r: c for r, c in sorted(_agent_exit_codes(agent_log).items()) if r not in failed}
+    others_failed = bool(raised) or any(c != -signal.SIGTERM for c in codes.values())
+    for rank, code in codes.items():
+        if code == -signal.SIGTERM and others_failed:
+            stopped.append(RankFailure(rank, "stopped", "was stopped by torchrun after the failure"))
+        elif code < 0:
+            died.append(RankFailure(rank, "signal", f"was killed by {_signal_name(code)}"))
+        else:
+            died.append(RankFailure(rank, "exit", f"exited with code {code} without raising"))
+    # A rank that died without a word is the likely root cause of its peers' errors.
+    return died + list(raised) + stopped
+
+
+def describe(failures: list[RankFailure], cell_source: list[str]) -> str:
+    """The first failure in full; the ranks that failed because of it in one line each."""
+    first, rest = failures[0], failures[1:]
+    text = f"rank {first.rank} {'raised ' if first.kind == 'raised' else ''}{first.summary}"
+    if first.cell_line is not None and 0 < first.cell_line <= len(cell_source):
+        text += f"\n  at cell line {first.cell_line}: {cell_source[first.cell_line - 1].strip()}"
+    for f in rest:
+        summary = f.summary if len(f.summary) <= 100 else f.summary[:97] + "..."
+        text += f"\nthen rank {f.rank} {'raised ' if f.kind == 'raised' else ''}{summary}"
+    return text
+
+
+def failed_error(returncode: int, result: RunResult, cell_source: list[str]) -> RankFailedError:
+    """The error for a run whose agent exited with `returncode` != 0."""
+    failures = final_failures(result.attempts, result.agent_log)
+    if not failures:
+        tail = "\n".join(result.agent_log.strip().splitlines()[-15:])
+        return RankFailedError(f"torchrun failed before the ranks ran (exit {returncode}):\n{tail}", [], result)
+    return RankFailedError(describe(failures, cell_source), failures, result)
+
+
+def timeout_error(spec: RunSpec, running: list[int], killed: int, result: RunResult) -> RunTimeoutError:
+    """The error for a run that passed --timeout; `running` ranks had not finished, `killed` workers were ended."""
+    names = ", ".join(str(r) for r in running) or "none"
+    return RunTimeoutError(
+        f"the run passed --timeout {spec.timeout:g} s; ranks still running: {names}. "
+        f"Every process was ended ({killed} workers killed). Look for a collective "
+        f"that not every rank calls, or raise --timeout.",
+        [RankFailure(r, "running", "still running") for r in running],
+        result,
+    )

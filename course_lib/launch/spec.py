@@ -1,0 +1,212 @@
+"""One run, described once, and the directory the kernel and the ranks share.
+
+:class:`RunSpec` is what a `%%torchrun` line or a `launch()` call asks for. :meth:`RunSpec.create`
+is the only place that checks and converts a request; the kernel writes the spec into the run
+directory and every rank reads it back with the same code. :class:`RunDir` names every file of
+that directory, so neither side spells a file name of its own.
+
+Importing this module does not import torch (a rank reads its spec before recording its pid).
+"""
+
+from __future__ import annotations
+
+import json
+import keyword
+import math
+import shutil
+import tempfile
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from course_lib.launch.backend import LaunchError, resolve_backend
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """A checked request: build it with :meth:`create`; the defaults here are the magic's defaults."""
+
+    nproc: int = 2  # ranks on this node
+    backend: str = "auto"  # "gloo" or "nccl" once created
+    timeout: float = DEFAULT_TIMEOUT_S  # wall-clock seconds for the whole run, start-up included
+    out: tuple[str, ...] = ()  # names whose per-rank values come back
+    push: tuple[str, ...] = ()  # names whose notebook values the ranks receive (values travel in push.pt)
+    stream: bool = False  # rank output live instead of grouped after the run
+    init: bool = True  # the worker creates the process group (and destroys it after the cell)
+    max_restarts: int = 0
+    nnodes: str | None = None  # torchrun's own: "2" or "1:4"
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_backend: str | None = None
+    rdzv_id: str | None = None
+    env: dict[str, str] = field(default_factory=dict)  # extra environment of the ranks
+
+    @classmethod
+    def create(cls, **request: Any) -> RunSpec:
+        """The spec for `request` (field names; values as typed in a magic line or passed to launch()).
+
+        Raises LaunchError, naming the flag and what it takes, for anything that cannot run.
+        """
+        unknown = sorted(set(request) - {f.name for f in fields(cls)})
+        if unknown:
+            raise TypeError(
+                f"no run option {', '.join(unknown)}; the options: {', '.join(f.name for f in fields(cls))}"
+            )
+        raw = {**asdict(cls()), **request}
+        nproc = check_nproc(raw["nproc"])
+        node_rank = raw["node_rank"]
+        return cls(
+            nproc=nproc,
+            backend=resolve_backend(str(raw["backend"]), nproc),
+            timeout=_seconds(raw["timeout"]),
+            out=_names(raw["out"], "--out"),
+            push=_names(raw["push"], "--push"),
+            stream=bool(raw["stream"]),
+            init=bool(raw["init"]),
+            max_restarts=_whole(raw["max_restarts"], "--max-restarts", "restarts of the whole group", 0),
+            nnodes=_text(raw["nnodes"]),
+            node_rank=None if node_rank is None else _whole(node_rank, "--node-rank", "this node's index", 0),
+            rdzv_endpoint=_text(raw["rdzv_endpoint"]),
+            rdzv_backend=_text(raw["rdzv_backend"]),
+            rdzv_id=_text(raw["rdzv_id"]),
+            env={str(k): str(v) for k, v in dict(raw["env"] or {}).items()},
+        )
+
+    @property
+    def multi_node(self) -> bool:
+        """Whether torchrun's rendezvous flags were given (else a standalone run on a free port)."""
+        return any(v is not None for v in (self.nnodes, self.rdzv_endpoint, self.rdzv_backend, self.rdzv_id))
+
+    @property
+    def first_rank(self) -> int:
+        """The global rank of this node's local rank 0 (nodes of equal size)."""
+        return (self.node_rank or 0) * self.nproc
+
+    @property
+    def pg_timeout_s(self) -> float:
+        """The process group gives up a little before the wall clock, so a stuck collective
+        surfaces as an error naming it rather than as a kill."""
+        return max(5.0, self.timeout - 10.0) if self.timeout > 20 else max(1.0, self.timeout * 0.8)
+
+    def write(self, run: RunDir) -> None:
+        run.spec.write_text(json.dumps(asdict(self)))
+
+    @classmethod
+    def read(cls, run: RunDir) -> RunSpec:
+        """The spec the kernel wrote (already checked: not checked again)."""
+        data = json.loads(run.spec.read_text())
+        values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}  # json: no tuples
+        return cls(**values)
+
+
+def check_nproc(value: object) -> int:
+    """Ranks per node as an int, at least 1."""
+    return _whole(value, "-n", "ranks per node", 1, least="1 rank")
+
+
+def _whole(value: object, flag: str, what: str, minimum: int, least: str | None = None) -> int:
+    try:
+        number = int(str(value))
+    except ValueError:
+        raise LaunchError(f"{flag} must be a whole number ({what}), got {value!r}") from None
+    if number < minimum:
+        raise LaunchError(f"{flag} must be at least {least or minimum}, got {number}")
+    return number
+
+
+def _seconds(value: object) -> float:
+    try:
+        seconds = float(str(value))
+    except ValueError:
+        raise LaunchError(f"--timeout takes a number of seconds, got {value!r}") from None
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise LaunchError(f"--timeout must be a positive number of seconds, got {value!r}")
+    return seconds
+
+
+def _names(value: str | Iterable[str], flag: str) -> tuple[str, ...]:
+    """Comma-separated names ("a,b") or an iterable of names, each a Python variable name."""
+    names = [n.strip() for n in (value.split(",") if isinstance(value, str) else value)]
+    for name in filter(None, names):
+        if not name.isidentifier() or keyword.iskeyword(name):
+            raise LaunchError(f"{flag} takes Python variable names separated by commas; {name!r} is not one")
+    return tuple(filter(None, names))
+
+
+def _text(value: object) -> str | None:
+    return None if value is None else str(value)
+
+
+class RunDir:
+    """The files of one run. The kernel writes the first three; torchrun and the ranks the rest.
+
+    cell.py                     the cell body (tracebacks name it; shown as <torchrun cell>)
+    spec.json                   the RunSpec
+    push.pt                     the --push values (torch.save)
+    logs/<id>/attempt_N/L/      torchrun's stdout.log, stderr.log, error.json of local rank L
+    ranks/attempt_N/R.pid       rank R's pid (how the launcher ends it); R.done: it finished the cell
+    ranks/attempt_N/local_L     the global rank of local rank L (torchrun names log folders by local rank)
+    out/R.pt                    rank R's --out values
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.cell = path / "cell.py"
+        self.spec = path / "spec.json"
+        self.push = path / "push.pt"
+        self.logs = path / "logs"
+
+    @classmethod
+    def create(cls) -> RunDir:
+        return cls(Path(tempfile.mkdtemp(prefix="torchrun-cell-")))
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def out(self, rank: int) -> Path:
+        return self.path / "out" / f"{rank}.pt"
+
+    def out_files(self) -> list[Path]:
+        """Every saved --out file, in rank order."""
+        return sorted((self.path / "out").glob("*.pt"), key=lambda p: int(p.stem))
+
+    def attempt(self, index: int) -> Path:
+        """The folder of the ranks' markers for restart attempt `index` (TORCHELASTIC_RESTART_COUNT)."""
+        return self.path / "ranks" / f"attempt_{index}"
+
+    def pid_file(self, index: int, rank: int) -> Path:
+        return self.attempt(index) / f"{rank}.pid"
+
+    def done_file(self, index: int, rank: int) -> Path:
+        return self.attempt(index) / f"{rank}.done"
+
+    def local_file(self, index: int, local_rank: int) -> Path:
+        return self.attempt(index) / f"local_{local_rank}"
+
+    def attempts(self) -> list[int]:
+        """Indices of the attempts whose ranks started, in order."""
+        return sorted(attempt_index(d) for d in (self.path / "ranks").glob("attempt_*"))
+
+    def log_attempts(self) -> list[tuple[int, Path]]:
+        """(index, folder) of torchrun's log folder of each attempt, in order."""
+        return sorted((attempt_index(d), d) for d in self.logs.glob("*/attempt_*"))
+
+    def pid_files(self) -> list[tuple[int, int, Path]]:
+        """(attempt, rank, pid file) of every rank that started."""
+        return sorted((attempt_index(p.parent), int(p.stem), p) for p in (self.path / "ranks").glob("attempt_*/*.pid"))
+
+    def pids(self) -> list[int]:
+        """Every recorded rank pid, all attempts."""
+        return [int(text) for _, _, p in self.pid_files() if (text := p.read_text().strip())]
+
+    def started(self, index: int) -> list[int]:
+        """Ranks of attempt `index` that recorded their pid, in order."""
+        return [rank for i, rank, _ in self.pid_files() if i == index]
+
+
+def attempt_index(folder: Path) -> int:
+    """N from a folder named attempt_N (torchrun's log folders and ours)."""
+    return int(folder.name.removeprefix("attempt_"))
