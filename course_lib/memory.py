@@ -21,11 +21,16 @@ stage    parameters   gradients    optimizer
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from course_lib.compare import local_tensor
+from course_lib.compare import bytes_per_rank, local_tensor
+
+if TYPE_CHECKING:  # matplotlib is imported only when a figure is drawn
+    from matplotlib.axes import Axes
 
 GB = 1e9  # decimal gigabytes, as in the ZeRO paper and GPU data sheets
 
@@ -73,16 +78,10 @@ def calculator_table(
 # ---- counting what a rank holds -------------------------------------------------------------------
 
 
-def tensor_bytes(t: torch.Tensor) -> int:
-    """Bytes of the elements this rank holds (a DTensor's local shard)."""
-    t = local_tensor(t)
-    return t.numel() * t.element_size()
-
-
-def allocated_bytes(t: torch.Tensor) -> int:
-    """Bytes of the storage behind the local tensor: more than tensor_bytes when it is a view
-    into a padded buffer (fully_shard pads every shard to ceil(rows / N) rows)."""
-    return local_tensor(t).untyped_storage().nbytes()
+def allocated_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the storage behind each local tensor: more than compare.bytes_per_rank counts when a
+    tensor is a view into a padded buffer (fully_shard pads every shard to ceil(rows / N) rows)."""
+    return sum(local_tensor(t).untyped_storage().nbytes() for t in tensors)
 
 
 def held_bytes(
@@ -95,16 +94,16 @@ def held_bytes(
     full copies (ZeroModel stages 1-2) is not counted twice. `padded=True` counts parameter storage
     with fully_shard's padding.
     """
-    size = allocated_bytes if padded else tensor_bytes
+    size = allocated_bytes if padded else bytes_per_rank
     extra_held = getattr(model, "extra_held", None)  # ZeroModel's full copies
     extra = extra_held() if extra_held is not None else {}
     params = list(model.parameters())
 
-    def count(full_copies, tensors) -> int:
+    def count(full_copies: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> int:
         """Bytes of the wrapper's full copies, plus those of the tensors that are not views into them."""
         inside = {t.untyped_storage().data_ptr() for t in full_copies}
-        return sum(size(t) for t in full_copies) + sum(
-            size(t) for t in tensors if local_tensor(t).untyped_storage().data_ptr() not in inside
+        return size(full_copies) + size(
+            t for t in tensors if local_tensor(t).untyped_storage().data_ptr() not in inside
         )
 
     held = {
@@ -113,10 +112,12 @@ def held_bytes(
         "optimizer": 0,
     }
     if optimizer is not None:
-        for state in optimizer.state.values():
-            held["optimizer"] += sum(
-                tensor_bytes(v) for k, v in state.items() if isinstance(v, torch.Tensor) and k != "step"
-            )
+        held["optimizer"] = bytes_per_rank(
+            v
+            for state in optimizer.state.values()
+            for k, v in state.items()
+            if isinstance(v, torch.Tensor) and k != "step"
+        )
     held["total"] = held["params"] + held["grads"] + held["optimizer"]
     return held
 
@@ -139,7 +140,9 @@ def zero_numel(unit_numels: list[int], world_size: int, rank: int) -> int:
 # ---- figures ------------------------------------------------------------------------------------------
 
 
-def draw_per_rank(measured: dict[str, list[dict]], predicted: dict[str, dict], ax=None, unit: float = 1e3):
+def draw_per_rank(
+    measured: dict[str, list[dict]], predicted: dict[str, dict], ax: Axes | None = None, unit: float = 1e3
+) -> Axes:
     """Stacked bars: for each setup, each rank's params / grads / optimizer; a tick for the formula."""
     import matplotlib.pyplot as plt
 
@@ -179,8 +182,8 @@ def draw_calculator(
     precision: str = "mixed (16-bit + fp32 master)",
     optimizer: str = "Adam",
     gpu_gb: float = 80,
-    ax=None,
-):
+    ax: Axes | None = None,
+) -> Axes:
     """GB per GPU for stages 0-3 at the chosen setting; the chosen stage outlined; a line at gpu_gb."""
     import matplotlib.pyplot as plt
 

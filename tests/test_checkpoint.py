@@ -120,7 +120,7 @@ def test_a_save_that_dies_before_its_commit_leaves_nothing_behind(tmp_path, monk
     def die(partial, final):
         raise KeyboardInterrupt("the process dies between writing and committing")
 
-    monkeypatch.setattr(ck, "_commit", die)
+    monkeypatch.setattr("course_lib.checkpoint.sharded._commit", die)  # the commit save_sharded calls
     with pytest.raises(KeyboardInterrupt):
         small_checkpoint(tmp_path, 2)
     assert not (tmp_path / "step_2").exists() and (tmp_path / "step_2.tmp" / ck.METADATA).exists()

@@ -28,20 +28,20 @@ uneven sizes need no padding and no exchange of sizes.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from course_lib.collectives import chunk_sizes, ring_all_gather, ring_all_reduce, ring_reduce_scatter
-from course_lib.exercises import ExerciseFailed, expect_equal
 
 # Collective calls made by ZeroModel on this rank since reset_calls(): {"all_gather": k, ...}.
 calls: Counter = Counter()
 
 
 def reset_calls() -> None:
+    """Start counting from zero (the Counter is cleared in place: `fsdp.calls` stays the same object)."""
     calls.clear()
 
 
@@ -173,7 +173,7 @@ class ZeroModel(nn.Module):
         self.units: list[ShardedUnit] = []
         self._wrap(module, group)
 
-    def _wrap(self, parent: nn.Module, group) -> None:
+    def _wrap(self, parent: nn.Module, group: dist.ProcessGroup | None) -> None:
         for name, child in list(parent.named_children()):
             if any(True for _ in child.parameters(recurse=False)):
                 unit = ShardedUnit(child, self.stage, group)
@@ -182,7 +182,7 @@ class ZeroModel(nn.Module):
             else:
                 self._wrap(child, group)
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         for unit in self.units:
             unit.refresh_full_params()
         return self.module(*args, **kwargs)
@@ -201,7 +201,8 @@ class ZeroModel(nn.Module):
         return total_norm
 
     def full_state(self) -> dict[str, torch.Tensor]:
-        """Every unit's full parameters by their original names (all-gathers: call on every rank)."""
+        """Every unit's full parameters by their original names (all-gathers: call on every rank):
+        what compare.full_parameters gives for the model before wrapping."""
         state = {}
         for unit_name, unit in self.module.named_modules():
             if isinstance(unit, ShardedUnit):
@@ -216,155 +217,3 @@ class ZeroModel(nn.Module):
             "params": [u.full_params for u in self.units if u.full_params is not None],
             "grads": [u.full_grad for u in self.units if u.full_grad is not None],
         }
-
-
-def collectives_per_step(stage: int, units: int) -> dict[str, int]:
-    """The formula the counts are checked against: collective calls per training step."""
-    return {
-        0: {"all_reduce": units},
-        1: {"all_reduce": units, "all_gather": units},
-        2: {"reduce_scatter": units, "all_gather": units},
-        3: {"reduce_scatter": units, "all_gather": 2 * units},
-    }[stage]
-
-
-# ---- training, for the comparisons ------------------------------------------------------------
-
-
-def global_batches(steps: int, global_batch: int, seed: int = 0, pool: int = 1024):
-    """The first `steps` batches of one fixed regression data set (32 -> 7 features): the same
-    data set whatever `steps` is, so a run can be continued (train(..., first_step=k))."""
-    from course_lib.data import regression
-
-    if steps * global_batch > pool:
-        raise ValueError(f"{steps} batches of {global_batch} need more than the {pool} samples")
-    x, y = regression(n=pool, d_out=7, seed=seed).tensors
-    return [
-        (x[s * global_batch : (s + 1) * global_batch], y[s * global_batch : (s + 1) * global_batch])
-        for s in range(steps)
-    ]
-
-
-def make_model() -> nn.Module:
-    """The notebook's MLP: 32 -> 45 -> 45 -> 7. Unit sizes 1485, 2070 and 322 elements: none
-    divisible by 4, the first not by 2, the last not by 3, so every N in 2, 3, 4 cuts unevenly."""
-    from course_lib.models import MLP
-
-    return MLP(d_in=32, d_hidden=45, d_out=7, n_layers=2, seed=0)
-
-
-def train(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    steps: int,
-    micro_batch: int = 8,
-    world_size: int = 1,
-    rank: int = 0,
-    clip: Callable[[], object] | None = None,
-    device: torch.device | str = "cpu",
-    first_step: int = 0,
-) -> list[float]:
-    """`steps` optimizer steps. Each global batch has micro_batch x world_size samples; rank r trains
-    on its r-th slice (world_size=1: one process, the whole batch: the reference run).
-    `clip()` is called between backward and step (gradient clipping); `first_step` continues a run
-    (global batch number `first_step` comes next). Returns rank-local losses."""
-    losses = []
-    for x, y in global_batches(first_step + steps, micro_batch * world_size)[first_step:]:
-        lo = rank * micro_batch
-        x, y = x[lo : lo + micro_batch].to(device), y[lo : lo + micro_batch].to(device)
-        optimizer.zero_grad(set_to_none=True)
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        if clip is not None:
-            clip()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
-
-
-def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Full parameters by name of a plain, ZeroModel or fully_shard model (collective for the last two)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(model, ZeroModel):
-        return {k: v.cpu() for k, v in model.full_state().items()}
-    return {
-        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu() for name, p in model.named_parameters()
-    }
-
-
-def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    if a.keys() != b.keys():
-        raise ValueError(f"different parameter names: {sorted(a)} vs {sorted(b)}")
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
-# ---- exercise: shard a parameter and its Adam state ---------------------------------------------
-
-
-def solution_shard_with_adam_state(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor):
-    rank, n = dist.get_rank(), dist.get_world_size()
-    return tuple(torch.tensor_split(t.reshape(-1), n)[rank].clone() for t in (param, exp_avg, exp_avg_sq))
-
-
-def check_shard_with_adam_state(fn) -> None:
-    """fn(param, exp_avg, exp_avg_sq) -> this rank's flat tensor_split chunk of each, for shapes
-    whose element count is and is not divisible by N; then one Adam step on the shards must equal
-    the same step on the full tensor, sliced."""
-    rank, n = dist.get_rank(), dist.get_world_size()
-    for shape in [(4 * n, 3), (2 * n + 1,), (5, 2 * n + 1), (n - 1 or 1, 1)]:
-        gen = torch.Generator().manual_seed(sum(shape))
-        full = nn.Parameter(torch.randn(shape, generator=gen))
-        full.grad = torch.randn(shape, generator=gen)
-        opt = torch.optim.Adam([full], lr=0.1)
-        opt.step()  # Adam state now holds real numbers
-        state = opt.state[full]
-        got = fn(full.detach().clone(), state["exp_avg"].clone(), state["exp_avg_sq"].clone())
-        if not isinstance(got, (tuple, list)) or len(got) != 3:
-            raise ExerciseFailed(f"shape {shape}: return three tensors (param, exp_avg, exp_avg_sq)")
-        expected = solution_shard_with_adam_state(full.detach(), state["exp_avg"], state["exp_avg_sq"])
-        for what, g, e in zip(("param", "exp_avg", "exp_avg_sq"), got, expected):
-            expect_equal(f"full shape {shape}, {n} ranks: {what} shard", g, e, atol=0, rtol=0)
-        # Adam is elementwise: stepping the shard with the shard of the state is the full step, sliced.
-        shard = nn.Parameter(got[0].clone())
-        shard_opt = torch.optim.Adam([shard], lr=0.1)
-        shard_opt.state[shard] = {
-            "step": state["step"].clone(),
-            "exp_avg": got[1].clone(),
-            "exp_avg_sq": got[2].clone(),
-        }
-        shard.grad = torch.tensor_split(full.grad.reshape(-1), n)[rank].clone()
-        full.grad = full.grad.clone()
-        opt.step()
-        shard_opt.step()
-        expect_equal(
-            f"full shape {shape}: shard after one more Adam step",
-            shard.detach(),
-            torch.tensor_split(full.detach().reshape(-1), n)[rank],
-            atol=1e-6,
-            rtol=1e-5,
-        )
-
-
-# ---- counting torch's collectives -------------------------------------------------------------------
-
-_FRIENDLY = {
-    "allgather": "all_gather",
-    "reduce_scatter": "reduce_scatter",
-    "allreduce": "all_reduce",
-    "broadcast": "broadcast",
-    "all_to_all": "all_to_all",
-}
-
-
-def comm_counts(comm) -> dict[str, int]:
-    """CommDebugMode's counts under the names used in this course (all_gather, reduce_scatter, ...).
-
-    FSDP2 calls the c10d ops behind all_gather_single / reduce_scatter_single (`_allgather_base_`,
-    `_reduce_scatter_base_`): one call per unit per gather or reduction."""
-    counts: Counter = Counter()
-    for op, k in comm.get_comm_counts().items():
-        name = str(op).split(".")[-1]
-        friendly = next((v for key, v in _FRIENDLY.items() if key in name), name)
-        counts[friendly] += k
-    return dict(sorted(counts.items()))

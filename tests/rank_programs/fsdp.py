@@ -23,11 +23,11 @@ OPTIMIZERS: dict[str, tuple[Callable, float | None, int]] = {  # name: (make, cl
 def equality(rank: int, world_size: int) -> dict:
     """Every stage and fully_shard against one process, for both optimizers; collective counts and
     bytes held against the formulas; sub-groups; the exercise checker against wrong answers."""
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from course_lib import fsdp, memory
+    from course_lib import compare, fsdp, memory
     from course_lib.exercises import ExerciseFailed
+    from course_lib.models import shard_layers_then_root
 
     problems: list[str] = []
 
@@ -46,7 +46,7 @@ def equality(rank: int, world_size: int) -> dict:
             return torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
 
         fsdp.train(single, opt, STEPS, micro_batch=8 * world_size, clip=single_clip if clip else None)
-        reference = fsdp.full_parameters(single)
+        reference = compare.full_parameters(single)
         for stage in range(4):
             model = fsdp.ZeroModel(fsdp.make_model(), stage)
             opt = make_opt(model.parameters())
@@ -59,7 +59,7 @@ def equality(rank: int, world_size: int) -> dict:
             calls = {k: v // STEPS for k, v in fsdp.calls.items()}
             want_calls = fsdp.collectives_per_step(stage, 3)  # (the clipping norm's all-reduce is not counted)
             expect(calls == want_calls, f"{name} ZeRO-{stage} calls {calls}, expected {want_calls}")
-            diff = fsdp.max_difference(fsdp.full_parameters(model), reference)
+            diff = compare.max_difference(model.full_state(), reference)
             expect(diff < 1e-6, f"{name} ZeRO-{stage} differs from one process by {diff}")
             optimizer_elements = states * (total if stage == 0 else shard)
             want = {
@@ -78,10 +78,8 @@ def equality(rank: int, world_size: int) -> dict:
                 sum(u.shard.numel() for u in model.units) == (total if stage == 0 else shard),
                 f"{name} ZeRO-{stage} shard sizes",
             )
-        model = fsdp.make_model()
-        for layer in [m for m in model if isinstance(m, torch.nn.Linear)][:-1]:
-            fully_shard(layer)
-        fully_shard(model)
+        model = fsdp.make_model()  # a unit per hidden layer; the root holds the head
+        shard_layers_then_root(model, [m for m in model if isinstance(m, torch.nn.Linear)][:-1])
         opt = make_opt(model.parameters())
 
         def torch_clip(model=model, clip=clip):
@@ -97,7 +95,7 @@ def equality(rank: int, world_size: int) -> dict:
         counts = fsdp.comm_counts(comm)
         want_counts = {"all_gather": 5, "reduce_scatter": 3, **({"all_reduce": 1} if clip else {})}
         expect(counts == want_counts, f"{name} fully_shard counts {counts}, expected {want_counts}")
-        diff = fsdp.max_difference(fsdp.full_parameters(model), reference)
+        diff = compare.max_difference(compare.full_parameters(model), reference)
         expect(diff < 1e-6, f"{name} fully_shard differs from one process by {diff}")
 
     # sub-groups: ZeRO-3 on the first n ranks only

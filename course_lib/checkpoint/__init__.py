@@ -1,0 +1,62 @@
+"""Notebook 05: distributed checkpoints: a rank-0 snapshot, torch's DCP, and a sharded checkpointer of our own.
+
+Three ways to save an FSDP2-sharded training state, from the simplest to what large jobs use:
+
+    snapshot    gather the whole state, rank 0 writes one torch.save file (it must fit in one process)
+    dcp         torch.distributed.checkpoint with an AppState: every rank writes its shards in parallel,
+                loading reshards onto any world size; AsyncCheckpointer saves in the background
+    sharded     the same idea from scratch (save_sharded / load_sharded), so DCP's files stop being magic
+    atomic      every save writes step_N.tmp and renames it to step_N when complete: complete or absent
+    integrity   verify (sizes, checksums) and latest_complete: resume from the newest good checkpoint
+    train       the shared FSDP2 model and steps, the fault-tolerant loop (train_resumable), save stalls
+    checkers    the exercise: find the newest complete checkpoint
+"""
+
+from course_lib.checkpoint.atomic import FORMAT, METADATA, CheckpointError
+from course_lib.checkpoint.checkers import check_find_latest_complete, reference_find_latest_complete
+from course_lib.checkpoint.dcp import AppState, AsyncCheckpointer, dcp_load, dcp_save
+from course_lib.checkpoint.integrity import files_of, latest_complete, verify
+from course_lib.checkpoint.sharded import flat_tensors, load_sharded, read_plan, save_sharded, shard_rows
+from course_lib.checkpoint.snapshot import load_full_snapshot, save_full_snapshot
+from course_lib.checkpoint.train import (
+    batch_for_step,
+    differing,
+    full_state,
+    local_state,
+    make_optimizer,
+    sharded_mlp,
+    time_saves,
+    train_resumable,
+    train_step,
+)
+
+__all__ = [
+    "FORMAT",
+    "METADATA",
+    "AppState",
+    "AsyncCheckpointer",
+    "CheckpointError",
+    "batch_for_step",
+    "check_find_latest_complete",
+    "dcp_load",
+    "dcp_save",
+    "differing",
+    "files_of",
+    "flat_tensors",
+    "full_state",
+    "latest_complete",
+    "load_full_snapshot",
+    "load_sharded",
+    "local_state",
+    "make_optimizer",
+    "read_plan",
+    "reference_find_latest_complete",
+    "save_full_snapshot",
+    "save_sharded",
+    "shard_rows",
+    "sharded_mlp",
+    "time_saves",
+    "train_resumable",
+    "train_step",
+    "verify",
+]

@@ -1,0 +1,185 @@
+"""The training the examples share, the fault-tolerant loop, and the stall a save causes.
+
+One FSDP2 MLP, its optimizer, and batches that are a pure function of the step (a resumed job sees exactly
+the samples the interrupted one would have); :func:`train_resumable` runs under ``torchrun --max-restarts``;
+:func:`time_saves` measures how long each kind of save blocks training; :func:`full_state`,
+:func:`local_state` and :func:`differing` say whether two runs hold the same bits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import TensorDataset
+
+from course_lib.checkpoint.atomic import _barrier, _rank_world
+from course_lib.checkpoint.dcp import AppState, AsyncCheckpointer, dcp_load, dcp_save
+from course_lib.checkpoint.integrity import latest_complete
+from course_lib.checkpoint.sharded import flat_tensors
+from course_lib.compare import local_tensor
+from course_lib.launch.runtime import rank_device
+from course_lib.models import MLP, shard_layers_then_root
+
+
+def sharded_mlp(seed: int = 0, **mlp_kwargs: Any) -> torch.nn.Module:
+    """course_lib's MLP with FSDP2: every Linear is a unit, then the root. Parameters become DTensors Shard(0)."""
+    return shard_layers_then_root(MLP(seed=seed, **mlp_kwargs).to(rank_device()))
+
+
+def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """Adam: two state tensors per parameter, so a checkpoint holds 12 bytes per parameter in all."""
+    return torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def batch_for_step(
+    data: TensorDataset, step: int, global_batch: int, rank: int, world_size: int, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's slice of global batch number `step`: a pure function of the step, so a resumed job
+    continues with exactly the samples the interrupted one would have seen (no sampler state to save)."""
+    n = len(data)
+    per_epoch = n // global_batch
+    epoch, index = divmod(step, per_epoch)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+    batch = order[index * global_batch : (index + 1) * global_batch]
+    per_rank = global_batch // world_size
+    mine = batch[rank * per_rank : (rank + 1) * per_rank]
+    x, y = data.tensors
+    return x[mine], y[mine]
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
+    """One optimizer step; returns the mean loss over all ranks (the global batch's loss)."""
+    device = next(model.parameters()).device
+    optimizer.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x.to(device)), y.to(device))
+    loss.backward()
+    optimizer.step()
+    mean = loss.detach().clone()
+    if dist.is_initialized():
+        dist.all_reduce(mean, op=dist.ReduceOp.AVG)
+    return mean.item()
+
+
+# ---- the fault-tolerant loop
+
+
+def train_resumable(
+    root: str | os.PathLike,
+    total_steps: int,
+    every: int,
+    *,
+    kill_at: int | None = None,
+    kill_rank: int = -1,
+    global_batch: int = 48,
+    log: str | os.PathLike | None = None,
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, int]:
+    """Train `total_steps` steps with a DCP checkpoint every `every` steps, resuming from the newest complete one.
+
+    In the first attempt (TORCHELASTIC_RESTART_COUNT=0), rank `kill_rank` (-1: the last) dies by SIGKILL
+    just before step `kill_at`: a real process death, nothing Python can catch. torchrun then stops the
+    other ranks and restarts the whole group, which resumes here. Rank 0 appends one JSON line per step
+    to `log`. Returns (model, optimizer, first step of this attempt).
+    """
+    from course_lib.data import regression
+
+    rank, world_size = _rank_world()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    data = regression(n=480)
+    model = sharded_mlp()
+    optimizer = make_optimizer(model)
+    app = AppState(model, optimizer)
+    found = [latest_complete(root)[0] if rank == 0 else None]  # one rank decides, all follow
+    if dist.is_initialized():
+        dist.broadcast_object_list(found)
+    if found[0] is not None:
+        dcp_load(found[0], app)
+    start = app.step
+    for step in range(start, total_steps):
+        if attempt == 0 and step == kill_at and rank == kill_rank % world_size:
+            print(f"rank {rank}: SIGKILL to myself before step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        x, y = batch_for_step(data, step, global_batch, rank, world_size)
+        loss = train_step(model, optimizer, x, y)
+        app.step = step + 1
+        if rank == 0 and log is not None:
+            with open(log, "a") as f:
+                f.write(json.dumps({"attempt": attempt, "step": step, "loss": loss}) + "\n")
+        if app.step % every == 0:
+            dcp_save(root, app.step, app)
+    return model, optimizer, start
+
+
+def local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    """This rank's parameters and optimizer state as one flat tensor: what "bitwise equal" compares."""
+    tensors = list(model.parameters())
+    for state in optimizer.state.values():
+        tensors += [v for _, v in sorted(state.items())]
+    return torch.cat([local_tensor(t).detach().reshape(-1).float() for t in tensors])
+
+
+# ---- how long a save stalls training
+
+
+def time_saves(
+    root: str | os.PathLike, mode: str, steps: int = 8, every: int = 2, **mlp_kwargs: Any
+) -> dict[str, list[float]]:
+    """Train `steps` steps of an FSDP2 MLP, saving after every `every`-th with mode "none", "sync" or "async".
+
+    Returns this rank's seconds per step ("step", a saving step including its save) and the seconds the
+    training thread was blocked in each save call ("blocked"): the stall. An async save waits for the
+    previous one first, and that wait counts as stall too.
+    """
+    rank, world_size = _rank_world()
+    root = Path(root) / mode
+    model = sharded_mlp(**mlp_kwargs)
+    optimizer = make_optimizer(model)
+    app = AppState(model, optimizer)
+    d_in, d_out = mlp_kwargs.get("d_in", 32), mlp_kwargs.get("d_out", 8)
+    generator = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(64, d_in, generator=generator), torch.randn(64, d_out, generator=generator)
+    checkpointer = AsyncCheckpointer(root) if mode == "async" else None
+    times: dict[str, list[float]] = {"step": [], "blocked": []}
+    for step in range(steps):
+        _barrier()
+        begin = time.perf_counter()
+        train_step(model, optimizer, x, y)
+        app.step = step + 1
+        if mode != "none" and app.step % every == 0:
+            save_begin = time.perf_counter()
+            if mode == "sync":
+                dcp_save(root, app.step, app)
+            else:
+                assert checkpointer is not None
+                checkpointer.save(app.step, app)
+            times["blocked"].append(time.perf_counter() - save_begin)
+        times["step"].append(time.perf_counter() - begin)
+    if checkpointer is not None:
+        checkpointer.wait()
+    _barrier()
+    return times
+
+
+# ---- comparing two runs
+
+
+def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The whole model and optimizer state as flat {name: tensor} on rank 0 ({} elsewhere): for comparisons."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model_state, optimizer_state = get_state_dict(
+        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    return flat_tensors({"model": model_state, "optimizer": optimizer_state})
+
+
+def differing(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    """Names whose tensors are not bitwise equal (or present in only one)."""
+    names = sorted(set(a) | set(b))
+    return [n for n in names if n not in a or n not in b or not torch.equal(a[n], b[n])]
