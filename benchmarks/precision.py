@@ -18,7 +18,7 @@ import torch
 from _report import report  # benchmarks/ is the script's directory: on sys.path
 from torch import nn
 
-from course_lib import precision
+from course_lib import compare, precision
 from course_lib.models import MLP
 
 
@@ -56,8 +56,8 @@ def cpu(repeats: int, batch: int) -> None:
     for name, t in times.items():
         print(f"{name:14} step {statistics.median(t) * 1e3:7.2f} ms   {statistics.median(t) / base:5.2f}x fp32")
     fp32_model, bf16_model = MLP(d_hidden=512), MLP(d_hidden=512).to(torch.bfloat16)
-    params = (precision.local_param_bytes(bf16_model), precision.local_param_bytes(fp32_model))
-    acts = (precision.saved_activation_bytes(bf16_model, x.bfloat16()), precision.saved_activation_bytes(fp32_model, x))
+    params = (compare.bytes_per_rank(bf16_model.parameters()), compare.bytes_per_rank(fp32_model.parameters()))
+    acts = (compare.saved_activation_bytes(bf16_model, x.bfloat16()), compare.saved_activation_bytes(fp32_model, x))
     print(f"parameters  fp32 {params[1]:>10,} B  bf16 {params[0]:>10,} B  ratio {params[0] / params[1]:.2f}")
     print(f"activations fp32 {acts[1]:>10,} B  bf16 {acts[0]:>10,} B  ratio {acts[0] / acts[1]:.2f}")
     report("bf16 / fp32 parameter bytes", params[0] / params[1], "0.45..0.55")

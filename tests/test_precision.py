@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from course_lib import precision
+from course_lib import compare, precision
 from course_lib.exercises import check
 from course_lib.models import MLP
 from tests.rank_programs import precision as rank_programs
@@ -44,7 +44,9 @@ def test_number_formats():
     assert rows["bf16"]["smallest subnormal"] == 2.0**-133 and rows["fp32"]["smallest subnormal"] == 2.0**-149
     assert precision.stored_value(2049.0, torch.float16) == 2048.0
     assert math.isinf(precision.stored_value(1e5, torch.float16))
-    assert precision.relative_error(1e5, torch.float16) == math.inf
+    assert precision.rounding_error(1e5, torch.float16) == math.inf
+    assert precision.rounding_error(2049.0, torch.float16) == 1 / 2049
+    assert precision.rounding_error(0.0, torch.float16) == 0.0
     assert precision.bit_fields(1.0, torch.float16) == ("0", "01111", "0" * 10)
     assert precision.bit_fields(-2.0, torch.bfloat16) == ("1", "10000000", "0" * 7)
     assert precision.bit_fields(0.1, torch.float32) == ("0", "01111011", "10011001100110011001101")
@@ -130,8 +132,8 @@ def test_hand_managed_scale_stalls_and_the_right_way_learns():
 
 def test_saved_activation_bytes_halve_in_bf16():
     model = MLP(d_hidden=128)
-    fp32 = precision.saved_activation_bytes(model, torch.randn(32, 32))
-    bf16 = precision.saved_activation_bytes(model.to(torch.bfloat16), torch.randn(32, 32, dtype=torch.bfloat16))
+    fp32 = compare.saved_activation_bytes(model, torch.randn(32, 32))
+    bf16 = compare.saved_activation_bytes(model.to(torch.bfloat16), torch.randn(32, 32, dtype=torch.bfloat16))
     assert fp32 > 0 and bf16 * 2 == fp32
 
 

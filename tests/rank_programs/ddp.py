@@ -23,8 +23,9 @@ def equality(rank: int, world_size: int) -> dict:
     timeline; check_gradient_sync in and out of sync; a parameter without gradient."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from course_lib.compare import max_difference
     from course_lib.data import regression
-    from course_lib.ddp import MinimalDDP, check_gradient_sync, max_difference, train
+    from course_lib.ddp import MinimalDDP, check_gradient_sync, train
     from course_lib.models import MLP
 
     data = regression(n=144)  # 3 global batches of 48: divisible by 2, 3 and 4 ranks
@@ -114,7 +115,7 @@ def hook_local_only(state, bucket):
 
 def hooks_snapshot_and_exercises(rank: int, world_size: int, snapshot_path: str) -> dict:
     """Every comm hook's bytes, gradient error and loss; a snapshot round trip; the checkers."""
-    from course_lib import ddp
+    from course_lib import compare, ddp
     from course_lib.data import regression
     from course_lib.exercises import ExerciseFailed
     from course_lib.models import MLP
@@ -139,7 +140,7 @@ def hooks_snapshot_and_exercises(rank: int, world_size: int, snapshot_path: str)
     fresh = ddp.MinimalDDP(MLP(seed=5))
     fresh_optimizer = torch.optim.Adam(fresh.parameters(), lr=1e-2)
     snapshot_step = ddp.load_snapshot(snapshot_path, fresh, fresh_optimizer)
-    snapshot_gap = ddp.max_difference(model, fresh)
+    snapshot_gap = compare.max_difference(model, fresh)
     snapshot_keys = sorted(torch.load(snapshot_path, weights_only=True)["model"])
 
     # exercise checkers: the reference passes, wrong answers fail with a message naming the step

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
 
 from course_lib import precision
+from course_lib.compare import local_tensor
 from course_lib.exercises import ExerciseFailed
-from course_lib.models import MLP
+from course_lib.models import MLP, shard_layers_then_root
 
 # Answers to the exercise that the checker must reject, each for its own reason.
 
@@ -48,17 +48,13 @@ def scalers_on_sharded_ranks(rank: int, world_size: int) -> dict:
     batches = precision.rank_batches(16, 48, device)
     runs, params = {}, {}
     for name, make in scalers.items():
-        model = MLP()
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer)
-        fully_shard(model)
+        model = shard_layers_then_root(MLP())
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         # step 10: an overflow on the last rank only; step 12: on rank 0 only
         # no clipping here: clip_grad_norm_ over DTensor gradients all-reduces the norm, which would hide the
         # naive scaler's disagreement (an inf norm zeroes every rank's update)
         runs[name] = precision.amp_training_loop(model, optimizer, make(), batches, poison={10: world_size - 1, 12: 0})
-        params[name] = [precision.local_tensor(p.detach()).clone() for p in model.parameters()]
+        params[name] = [local_tensor(p.detach()).clone() for p in model.parameters()]
     verdicts = {}
     for candidate in (
         precision.solution_found_inf,

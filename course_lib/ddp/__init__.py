@@ -1,0 +1,61 @@
+"""Notebook 02: data parallelism from scratch, next to torch's DistributedDataParallel.
+
+- minimal_ddp: MinimalDDP, the algorithm (broadcast, buckets, asynchronous all-reduce, no_sync)
+- replicas: the gradient-sync check and the rank-0 snapshot
+- train: the training harness, single-process or data-parallel over the same batches
+- comm_hooks: torch DDP's compression hooks (fp16, bf16, PowerSGD) and a timing hook
+- figures: ring bytes, the bucket/overlap simulator, memory per rank
+- checkers: the exercises' reference solutions and checkers
+"""
+
+from course_lib.ddp.checkers import (
+    check_average_gradient,
+    check_mean_allreduce_hook,
+    solution_average_gradient,
+    solution_mean_allreduce_hook,
+)
+from course_lib.ddp.comm_hooks import (
+    COMM_HOOKS,
+    attach_comm_hook,
+    bf16_compress_hook_any_backend,
+    gradient_error,
+    payload_bytes,
+    timed_allreduce_hook,
+    train_with_hook,
+)
+from course_lib.ddp.figures import ddp_bytes_per_rank, overlap_fraction, ring_bytes, simulate_buckets
+from course_lib.ddp.minimal_ddp import MB, Bucket, MinimalDDP, assign_buckets, unwrap
+from course_lib.ddp.replicas import check_gradient_sync, load_snapshot, save_snapshot
+from course_lib.ddp.train import TrainLog, bytes_written, global_loader, rank_loader, shuffled_order, train
+
+__all__ = [
+    "COMM_HOOKS",
+    "MB",
+    "Bucket",
+    "MinimalDDP",
+    "TrainLog",
+    "assign_buckets",
+    "attach_comm_hook",
+    "bf16_compress_hook_any_backend",
+    "bytes_written",
+    "check_average_gradient",
+    "check_gradient_sync",
+    "check_mean_allreduce_hook",
+    "ddp_bytes_per_rank",
+    "global_loader",
+    "gradient_error",
+    "load_snapshot",
+    "overlap_fraction",
+    "payload_bytes",
+    "rank_loader",
+    "ring_bytes",
+    "save_snapshot",
+    "shuffled_order",
+    "simulate_buckets",
+    "solution_average_gradient",
+    "solution_mean_allreduce_hook",
+    "timed_allreduce_hook",
+    "train",
+    "train_with_hook",
+    "unwrap",
+]

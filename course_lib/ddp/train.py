@@ -1,0 +1,119 @@
+"""The training harness of notebook 02: the same run single-process or data-parallel.
+
+Both read the same shuffled order: the single process takes whole global batches, each rank its
+DistributedSampler shard of them. With the gradients averaged, the two runs take the same steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sized
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from course_lib.ddp.replicas import check_gradient_sync
+
+if TYPE_CHECKING:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from course_lib.ddp.minimal_ddp import MinimalDDP
+
+
+def shuffled_order(dataset: Dataset, epoch: int, seed: int = 0) -> list[int]:
+    """The permutation DistributedSampler(shuffle=True, seed=seed) uses in `epoch`, on every rank."""
+    g = torch.Generator().manual_seed(seed + epoch)
+    return torch.randperm(len(cast(Sized, dataset)), generator=g).tolist()
+
+
+def rank_loader(dataset: Dataset, micro_batch: int, epoch: int, seed: int = 0) -> DataLoader:
+    """This rank's shard: DistributedSampler hands rank r the indices order[r::N]."""
+    sampler: DistributedSampler = DistributedSampler(dataset, shuffle=True, seed=seed, drop_last=True)
+    sampler.set_epoch(epoch)  # without it every epoch repeats epoch 0's order
+    return DataLoader(dataset, batch_size=micro_batch, sampler=sampler)
+
+
+def global_loader(dataset: Dataset, batch: int, epoch: int, seed: int = 0) -> DataLoader:
+    """Single-process reference: the same shuffled order, whole global batches."""
+    return DataLoader(dataset, batch_size=batch, sampler=shuffled_order(dataset, epoch, seed))
+
+
+@dataclass
+class TrainLog:
+    losses: list[float] = field(default_factory=list)  # mean loss over each global batch
+    bytes_sent: list[int] = field(default_factory=list)  # per step, by this process (gloo only)
+
+
+def bytes_written() -> int:
+    """Bytes this process has passed to write()/writev(): on gloo that is what it sent to its peers."""
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("wchar"):
+                return int(line.split()[1])
+    return 0
+
+
+def train(
+    model: nn.Module,
+    dataset: Dataset,
+    *,
+    global_batch: int,
+    epochs: int,
+    lr: float = 1e-2,
+    accumulation: int = 1,
+    max_grad_norm: float | None = 1.0,
+    distributed: bool = True,
+    check_sync: bool = False,
+    seed: int = 0,
+    optimizer: torch.optim.Optimizer | None = None,
+    first_epoch: int = 0,
+) -> TrainLog:
+    """Adam on `dataset` in global batches of `global_batch`, single-process or data-parallel.
+
+    Data-parallel: each rank takes global_batch / N samples per step, in `accumulation` micro-batches;
+    all but the last run under no_sync(). The loss is divided by `accumulation` so the summed
+    gradient is the mean over the rank's samples; the all-reduce then averages over ranks.
+    Runs epochs first_epoch .. epochs-1 (pass the optimizer to resume a run).
+    """
+    n = dist.get_world_size() if distributed else 1
+    if global_batch % (n * accumulation):
+        raise ValueError(f"global batch {global_batch} must split into {n} ranks x {accumulation} micro-batches")
+    device = next(model.parameters()).device
+    optimizer = optimizer or torch.optim.Adam(model.parameters(), lr=lr)
+    log = TrainLog()
+    for epoch in range(first_epoch, epochs):
+        loader = (
+            rank_loader(dataset, global_batch // (n * accumulation), epoch, seed)
+            if distributed
+            else global_loader(dataset, global_batch // accumulation, epoch, seed)
+        )
+        batches = iter(loader)
+        for _ in range(len(loader) // accumulation):
+            step_loss = torch.zeros((), device=device)
+            sent = bytes_written()
+            for micro in range(accumulation):
+                x, y = (t.to(device) for t in next(batches))
+                last = micro == accumulation - 1
+                wrapper = cast("DistributedDataParallel | MinimalDDP", model)
+                sync = contextlib.nullcontext() if (last or not distributed) else wrapper.no_sync()
+                with sync:  # forward too: torch DDP prepares its reducer in forward
+                    loss = nn.functional.mse_loss(model(x), y) / accumulation
+                    loss.backward()
+                step_loss += loss.detach()
+            log.bytes_sent.append(bytes_written() - sent)
+            if check_sync:
+                check_gradient_sync(model)
+            if max_grad_norm is not None:
+                # Gradients are identical on every rank after the sync, so every rank clips by the same factor.
+                nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if distributed:
+                dist.all_reduce(step_loss)
+                step_loss /= n
+            log.losses.append(step_loss.item())
+    return log

@@ -1,0 +1,113 @@
+"""Which dtype each step really uses: every op under autocast, and FSDP2's MixedPrecisionPolicy on the wire."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from course_lib.compare import grad_of
+from course_lib.precision.number_formats import DTYPE_NAMES
+
+
+class _OpDtypeRecorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, tuple[str, ...], str]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = tuple(DTYPE_NAMES.get(a.dtype, str(a.dtype)) for a in args if isinstance(a, torch.Tensor))
+        first = out[0] if isinstance(out, (tuple, list)) else out
+        if isinstance(first, torch.Tensor):
+            self.ops.append((func.overloadpacket.__name__, inputs, DTYPE_NAMES.get(first.dtype, str(first.dtype))))
+        return out
+
+
+def record_op_dtypes(fn: Callable[[], torch.Tensor]) -> list[tuple[str, tuple[str, ...], str]]:
+    """Run `fn()` and return (aten op, input dtypes, output dtype) for every op it dispatched.
+
+    Ops that only move data (views, copies the autocast casts make) are kept: they show where
+    autocast inserts a cast (`_to_copy` from fp32 to bf16).
+    """
+    recorder = _OpDtypeRecorder()
+    with recorder:
+        fn()
+    return recorder.ops
+
+
+@contextlib.contextmanager
+def record_collectives() -> Iterator[list[tuple[str, str, int]]]:
+    """Record (name, dtype, bytes of the full tensor) for every all_gather_single / reduce_scatter_single call.
+
+    The full tensor is the all-gather's output and the reduce-scatter's input: the unsharded parameters
+    or gradients, the same size for any number of ranks (padding aside).
+
+    FSDP2 calls these through the `torch.distributed` module, so wrapping them there sees its traffic.
+    """
+    calls: list[tuple[str, str, int]] = []
+    originals = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single")}
+
+    def wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def recorded(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            full = output if name == "all_gather_single" else input
+            calls.append((name, DTYPE_NAMES.get(input.dtype, str(input.dtype)), full.numel() * full.element_size()))
+            return original(output, input, *args, **kwargs)
+
+        return recorded
+
+    for name, original in originals.items():
+        setattr(dist, name, wrap(name, original))
+    try:
+        yield calls
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def inspect_fsdp2_mixed_precision(
+    param_dtype: torch.dtype | None = torch.bfloat16,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    device: torch.device | None = None,
+) -> dict:
+    """One forward/backward of an FSDP2-sharded MLP under MixedPrecisionPolicy; the dtypes at each stage."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from course_lib.models import MLP, shard_layers_then_root
+
+    device = device or torch.device("cpu")
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    model = MLP().to(device)
+    shard_layers_then_root(model, mp_policy=policy)
+    seen: dict[str, torch.dtype] = {}
+
+    def before_forward(module, args):  # runs after FSDP2's own pre-forward hook has gathered the weight
+        seen["gathered weight"] = module.weight.dtype
+        seen["layer input"] = args[0].dtype
+
+    def after_forward(module, args, out):
+        seen["layer output"] = out.dtype  # returns None: a forward hook that returns a value replaces the output
+
+    model[0].register_forward_pre_hook(before_forward)
+    model[0].register_forward_hook(after_forward)
+    x, y = torch.randn(8, 32, device=device), torch.randn(8, 8, device=device)
+    with record_collectives() as calls:
+        out = model(x)
+        nn.functional.mse_loss(out.float(), y).backward()
+    first = model[0].weight
+    assert isinstance(first, torch.Tensor)
+    return {
+        "sharded parameter": DTYPE_NAMES[first.dtype],
+        "all_gather input": sorted({dtype for name, dtype, _ in calls if name == "all_gather_single"}),
+        "gathered weight": DTYPE_NAMES[seen["gathered weight"]],
+        "layer input": DTYPE_NAMES[seen["layer input"]],
+        "layer output": DTYPE_NAMES[seen["layer output"]],
+        "reduce_scatter input": sorted({dtype for name, dtype, _ in calls if name == "reduce_scatter_single"}),
+        "sharded gradient": DTYPE_NAMES[grad_of(first).dtype],
+        "reduce-scattered bytes": sum(b for name, _, b in calls if name == "reduce_scatter_single"),
+    }
