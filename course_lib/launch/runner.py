@@ -20,6 +20,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import nbformat
 
@@ -56,7 +57,7 @@ def find_notebooks(selectors: list[str]) -> list[Path]:
     return chosen
 
 
-def parse_value(text: str):
+def parse_value(text: str) -> int | float | bool | str:
     """Command-line parameter values: int, float, bool, else str (as papermill's -p)."""
     for kind in (int, float):
         try:
@@ -66,7 +67,7 @@ def parse_value(text: str):
     return {"True": True, "False": False}.get(text, text)
 
 
-def describe_failure(output_nb: Path, error) -> str:
+def describe_failure(output_nb: Path, error: BaseException) -> str:
     """'cell 7, rank 1: ZeroDivisionError' from papermill's error and the executed notebook."""
     where = f"cell {error.exec_count}" if getattr(error, "exec_count", None) else "a cell"
     ename = getattr(error, "ename", type(error).__name__)
@@ -76,7 +77,7 @@ def describe_failure(output_nb: Path, error) -> str:
     return f"{where}{rank}: {ename}"
 
 
-def strip_run_metadata(nb) -> None:
+def strip_run_metadata(nb: Any) -> None:  # an nbformat NotebookNode
     """Make stored outputs deterministic: no papermill timing, no injected cells."""
     nb.metadata.pop("papermill", None)
     nb.cells = [c for c in nb.cells if "injected-parameters" not in c.metadata.get("tags", [])]
