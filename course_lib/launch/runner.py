@@ -69,7 +69,8 @@ def parse_value(text: str) -> int | float | bool | str:
 
 def describe_failure(output_nb: Path, error: BaseException) -> str:
     """'cell 7, rank 1: ZeroDivisionError' from papermill's error and the executed notebook."""
-    where = f"cell {error.exec_count}" if getattr(error, "exec_count", None) else "a cell"
+    count = getattr(error, "exec_count", None)  # papermill's PapermillExecutionError has it
+    where = f"cell {count}" if count else "a cell"
     ename = getattr(error, "ename", type(error).__name__)
     # Only the launcher's errors come from ranks; a kernel-side error may mention "rank" in its text.
     ranks = re.search(r"\brank (\d+)", str(getattr(error, "evalue", ""))) if ename in RANK_ERRORS else None
