@@ -124,3 +124,26 @@ def _importable(checker: Callable) -> tuple[str, str]:
     if module is None or getattr(sys.modules.get(module), name, None) is not checker:
         raise TypeError(f"the checker must be a module-level function of course_lib, got {checker!r}")
     return module, name
+
+
+def check_prediction(
+    name: str, predicted: float | None, actual: float, *, rtol: float = 0.05, unit: str = ""
+) -> bool | None:
+    """A "predict before you run" exercise: the learner's number against the one the notebook measured.
+
+    `predicted` None (the learner has not answered yet) reports "not attempted yet". Within `rtol` of `actual`
+    is correct; otherwise the message says how far off, and in which direction, but not the answer.
+    """
+    if predicted is None:
+        print(f"{name}: not attempted yet")
+        return None
+    if not isinstance(predicted, (int, float)) or isinstance(predicted, bool):
+        print(f"✗ {name}: give a number, got {type(predicted).__name__}")
+        return False
+    error = (predicted - actual) / abs(actual) if actual else float(predicted)
+    if abs(error) <= rtol:
+        print(f"✓ {name}: {predicted:g}{unit} is right (measured {actual:g}{unit})")
+        return True
+    direction = "high" if error > 0 else "low"
+    print(f"✗ {name}: {predicted:g}{unit} is {abs(error):.0%} too {direction}; check the formula and try again")
+    return False
