@@ -1,11 +1,17 @@
-"""course_lib.tensor_parallel: from-scratch layers against the unsharded block and parallelize_module, the exercise."""
+"""course_lib.tensor_parallel: from-scratch layers against the unsharded block and parallelize_module, the exercises."""
+
+import runpy
+from pathlib import Path
 
 import pytest
 
 from course_lib import tensor_parallel as tp
 from course_lib.exercises import check
+from course_lib.models import TransformerBlock
 from tests.rank_programs import run
 from tests.rank_programs import tensor_parallel as rank_programs
+
+SOLUTIONS = runpy.run_path(str(Path(__file__).parent.parent / "notebooks" / "solutions" / "06_tensor_parallel.py"))
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
@@ -15,8 +21,11 @@ def test_from_scratch_equals_unsharded_and_parallelize_module(n):
             assert r["scratch_vs_full"] < 1e-5, (n, rank, r)
             assert r["scratch_vs_torch"] < 1e-5, (n, rank, r)
             assert r["sp_vs_full"] < 1e-5, (n, rank, r)
+            assert r["shared_vs_full"] < 1e-5, (n, rank, r)
             assert r["scratch_comms"] == {"forward all_reduce": 2, "backward all_reduce": 2}
             assert r["torch_fwd"] == {"all_reduce": 2} and r["torch_bwd"] == {"all_reduce": 4}
+            # torchtitan's layout (separate q/k/v reading one DTensor): one all-reduce per attention and per MLP
+            assert r["shared_fwd"] == r["shared_bwd"] == {"all_reduce": 2}
             assert r["sp_fwd"] == r["sp_bwd"] == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
             mine, theirs, full = r["params"]
             replicated = 4 * 48 * 4 + 2 * 48 * 4  # two LayerNorms (weight+bias), o and down biases
@@ -63,7 +72,7 @@ def test_exercise_checker(capsys):
     checker = tp.check_split_backward
     assert check(stub_split_backward, checker, nproc=2, backend="gloo") is None
     assert "not attempted yet" in capsys.readouterr().out
-    assert check(tp.split_backward, checker, nproc=3, backend="gloo") is True  # the library's reference
+    assert check(SOLUTIONS["split_backward"], checker, nproc=3, backend="gloo") is True
     for wrong, says in (
         (wrong_passthrough, "whole input's shape"),
         (wrong_pad_own_slice, "expected"),
@@ -72,3 +81,71 @@ def test_exercise_checker(capsys):
         assert check(wrong, checker, nproc=2, backend="gloo") is False, wrong.__name__
         out = capsys.readouterr().out
         assert "rank " in out and says in out, out
+
+
+def broken_row_parallel_forward(x_slice, weight_slice, bias):
+    import torch.distributed as dist
+
+    y = x_slice @ weight_slice.T + bias  # the notebook's broken version: the bias on every rank
+    dist.all_reduce(y)
+    return y
+
+
+def local_row_parallel_forward(x_slice, weight_slice, bias):
+    return x_slice @ weight_slice.T + bias  # skips the all-reduce: only this rank's partial product
+
+
+def no_bias_row_parallel_forward(x_slice, weight_slice, bias):
+    import torch.distributed as dist
+
+    y = x_slice @ weight_slice.T
+    dist.all_reduce(y)
+    return y
+
+
+def averaged_row_parallel_forward(x_slice, weight_slice, bias):
+    import torch.distributed as dist
+
+    y = x_slice @ weight_slice.T + bias
+    dist.all_reduce(y)
+    return y / dist.get_world_size()  # averages the partial products instead of summing them
+
+
+def stub_row_parallel_forward(x_slice, weight_slice, bias):
+    raise NotImplementedError  # your code here
+
+
+def test_row_parallel_forward_checker(capsys):
+    checker = tp.check_row_parallel_forward
+    assert check(stub_row_parallel_forward, checker, nproc=2, backend="gloo") is None
+    assert "not attempted yet" in capsys.readouterr().out
+    for n in (2, 3):
+        assert check(SOLUTIONS["row_parallel_forward"], checker, nproc=n, backend="gloo") is True
+    capsys.readouterr()
+    for wrong, says in (
+        (broken_row_parallel_forward, "off by 2 times its column's bias"),
+        (local_row_parallel_forward, "elements wrong"),
+        (no_bias_row_parallel_forward, "off by -1 times its column's bias"),
+        (averaged_row_parallel_forward, "expected"),
+    ):
+        assert check(wrong, checker, nproc=3, backend="gloo") is False, wrong.__name__
+        out = capsys.readouterr().out
+        assert "rank " in out and says in out, (wrong.__name__, out)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 6])
+def test_parameter_bytes_prediction(n, capsys):
+    from course_lib.exercises import check_prediction
+
+    full = TransformerBlock()
+    replicated = sum(
+        p.numel() * 4
+        for name, p in full.named_parameters()
+        if name.startswith("norm") or name in ("attention.o.bias", "feed_forward.down.bias")
+    )
+    total = sum(p.numel() * 4 for p in full.parameters())
+    measured = replicated + (total - replicated) // n  # what the notebook measures (asserted there)
+    assert check_prediction("bytes", SOLUTIONS["predicted_parameter_bytes"](n), measured, rtol=0.002) is True
+    for wrong in (total / n, total, (total - replicated) / n, replicated * n + (total - replicated) / n):
+        assert check_prediction("bytes", wrong, measured, rtol=0.002) is False, (n, wrong)
+    assert "too" in capsys.readouterr().out

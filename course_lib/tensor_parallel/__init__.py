@@ -3,10 +3,12 @@
 One linear layer y = x Wᵀ + b is split over the N ranks of a tensor-parallel group. Autograd is told
 where the communication goes by conjugate operators (operators.py); the layers and the parallel
 TransformerBlock built from them are in layers.py; torch's parallelize_module plan in torch_plan.py;
-the exercise in checkers.py. The names below are those the notebook, tests and other modules use.
+the exercises' checkers in checkers.py
+(solutions: notebooks/solutions/06_tensor_parallel.py). The names below are those the notebook, tests and other
+modules use.
 """
 
-from course_lib.tensor_parallel.checkers import check_split_backward, split_backward
+from course_lib.tensor_parallel.checkers import check_row_parallel_forward, check_split_backward
 from course_lib.tensor_parallel.layers import (
     ColumnParallelLinear,
     ParallelAttention,
@@ -25,10 +27,10 @@ __all__ = [
     "ParallelTransformerBlock",
     "ReduceFromParallel",
     "RowParallelLinear",
+    "check_row_parallel_forward",
     "check_split_backward",
     "shard_of",
     "shard_size",
-    "split_backward",
     "torch_parallel_block",
     "tp_plan",
 ]

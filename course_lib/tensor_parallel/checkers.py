@@ -1,4 +1,7 @@
-"""The exercise of notebook 06: the backward of the split operator, its checker and reference answer."""
+"""The exercises of notebook 06, checked on the ranks: the split operator's backward, a row-parallel forward.
+
+The solutions are in notebooks/solutions/06_tensor_parallel.py, not here.
+"""
 
 from __future__ import annotations
 
@@ -10,19 +13,6 @@ from torch import nn
 
 from course_lib.exercises import ExerciseFailed
 from course_lib.tensor_parallel.layers import RowParallelLinear
-
-
-def split_backward(grad_slice: torch.Tensor) -> torch.Tensor:
-    """Reference backward of the row-parallel input operator: the gradient of the whole input.
-
-    Self-contained (the exercise check runs its source on the ranks): all-gather the slices, concatenate.
-    """
-    import torch
-    import torch.distributed as dist
-
-    parts = [torch.empty_like(grad_slice) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, grad_slice.contiguous())
-    return torch.cat(parts, dim=-1)
 
 
 def check_split_backward(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -68,3 +58,36 @@ def check_split_backward(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
             f"expected {expected[i, j].item():.5g}, got {got[i, j].item():.5g} "
             f"({int(wrong.sum())} of {wrong.numel()} elements wrong)"
         )
+
+
+def check_row_parallel_forward(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+    """fn(x_slice, weight_slice, bias) -> y = x Wᵀ + b, whole, on every rank.
+
+    Rank r holds only its slice of the input features (x_slice, weight_slice: data no other rank has) and
+    the replicated bias; the result must equal the unsharded layer's on every rank, for two widths.
+    """
+    rank, n = dist.get_rank(), dist.get_world_size()
+    for seed, rows in ((0, 3), (1, 5)):
+        torch.manual_seed(seed)
+        full = nn.Linear(4 * n, 6)
+        with torch.no_grad():
+            full.bias.uniform_(1.0, 2.0)  # far from zero: a bias added N times shows
+        x = torch.randn(rows, 4 * n)
+        expected = full(x).detach()
+        mine = slice(4 * rank, 4 * (rank + 1))
+        got = fn(x[:, mine].clone(), full.weight.detach()[:, mine].clone(), full.bias.detach().clone())
+        if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+            shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+            raise ExerciseFailed(
+                f"rank {rank}: y should have the whole output's shape {tuple(expected.shape)}, got {shape}"
+            )
+        wrong = ~torch.isclose(got.detach(), expected, atol=1e-5, rtol=1e-4)
+        if wrong.any():
+            i, j = (int(v) for v in wrong.nonzero()[0])
+            offset = (got.detach() - expected) / full.bias.detach()
+            same = bool(torch.allclose(offset, offset[0, 0].expand_as(offset), atol=1e-3))
+            hint = f" (every element is off by {offset[0, 0].item():.3g} times its column's bias)" if same else ""
+            raise ExerciseFailed(
+                f"rank {rank}: y[{i}, {j}] expected {expected[i, j].item():.5g}, got {got[i, j].item():.5g} "
+                f"({int(wrong.sum())} of {wrong.numel()} elements wrong){hint}"
+            )

@@ -40,6 +40,14 @@ def against_torch(rank: int, world_size: int) -> dict:
         with CommDebugMode() as bwd:
             y_theirs.pow(2).sum().backward()
 
+        # torchtitan's layout: the attention's and MLP's input one DTensor that q, k, v (up) share
+        shared = tp.torch_parallel_block(mesh, shared_input=True, seed=seed)
+        x_shared = x.clone().requires_grad_()
+        with CommDebugMode() as shared_fwd:
+            y_shared = shared(x_shared)
+        with CommDebugMode() as shared_bwd:
+            y_shared.pow(2).sum().backward()
+
         s = shape[1] // world_size
         mine_rows = slice(rank * s, (rank + 1) * s)
         sp = tp.torch_parallel_block(mesh, sequence_parallel=True, seed=seed)
@@ -55,7 +63,8 @@ def against_torch(rank: int, world_size: int) -> dict:
         sp_full = compare.full_gradients(sp)
         err = compare.relative_error
         assert x_mine.grad is not None and x_full.grad is not None and x_theirs.grad is not None
-        assert x_sp.grad is not None
+        assert x_sp.grad is not None and x_shared.grad is not None
+        shared_full = compare.full_gradients(shared)
         results.append(
             dict(
                 scratch_vs_full=max(
@@ -73,11 +82,18 @@ def against_torch(rank: int, world_size: int) -> dict:
                     err(x_sp.grad, x_full.grad[:, mine_rows]),
                     max(err(sp_full[n], full_grads[n]) for n in full_grads),
                 ),
+                shared_vs_full=max(
+                    err(y_shared, y_full),
+                    err(x_shared.grad, x_full.grad),
+                    max(err(shared_full[n], full_grads[n]) for n in full_grads),
+                ),
                 scratch_comms=dict(tp.COMMS),
                 torch_fwd=_counts(fwd),
                 torch_bwd=_counts(bwd),
                 sp_fwd=_counts(sp_fwd),
                 sp_bwd=_counts(sp_bwd),
+                shared_fwd=_counts(shared_fwd),
+                shared_bwd=_counts(shared_bwd),
                 params=tuple(compare.bytes_per_rank(block.parameters()) for block in (mine, theirs, full)),
             )
         )
