@@ -1,7 +1,8 @@
 """course_lib: the library behind the distributed-training notebooks.
 
-`%load_ext course_lib` registers the `%%torchrun` cell magic. Importing the
-package stays cheap (no torch, no IPython): every rank imports it at start-up.
+`%load_ext course_lib` registers the `%%torchrun` cell magic and the `%dist` session magic (with
+`%%px` placeholders that say to start a session). Importing the package stays cheap (no torch, no
+IPython): every rank imports it at start-up.
 """
 
 from typing import Any
@@ -11,5 +12,9 @@ __all__ = ["load_ipython_extension"]
 
 def load_ipython_extension(ipython: Any) -> None:  # an InteractiveShell
     from course_lib.launch.magic import TorchrunMagics
+    from course_lib.session.magic import DistMagics, NoSessionMagics
 
     ipython.register_magics(TorchrunMagics)
+    ipython.register_magics(DistMagics)
+    if "SessionParallelMagics" not in ipython.magics_manager.registry:  # a second %load_ext keeps a running session
+        ipython.register_magics(NoSessionMagics)

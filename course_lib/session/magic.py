@@ -1,0 +1,130 @@
+"""`%dist start | status | restart | stop`, and ipyparallel's `%%px` / `%px` / `%autopx` bound to the session.
+
+    %dist start -n 4 --backend gloo --timeout 60
+    %%px
+    x = torch.ones(2) * rank
+
+While no session runs, `%px`, `%%px`, `%autopx`, `%pxresult` and `%pxconfig` say to start one. Once
+it runs they are ipyparallel's own magics on the session's view, with two changes: output is shown
+grouped by rank in rank order once the cell ends (deterministic for nbval), and the wait watches
+the ranks, so a dead rank, a stuck collective or an interrupt ends the cell with a message that
+says what happened and what to do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from typing import Any
+
+from ipyparallel.client.magics import ParallelMagics
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
+
+from course_lib.launch.backend import LaunchError
+from course_lib.session import session as sessions
+from course_lib.session.session import DEFAULT_TIMEOUT_S, NO_SESSION, SessionError, Settings
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # argparse would exit the kernel
+        raise LaunchError(f"%dist: {message} (usage: {self.format_usage().strip()})")
+
+
+PARSER = _Parser(prog="%dist", allow_abbrev=False, add_help=False)
+PARSER.add_argument("action", choices=["start", "status", "restart", "stop"])
+PARSER.add_argument("-n", "--nproc", metavar="N", help="ranks (engines), one torchrun process each")
+PARSER.add_argument("--backend", default="auto", metavar="NAME", help="auto (default), gloo or nccl")
+PARSER.add_argument(
+    "--timeout",
+    default=DEFAULT_TIMEOUT_S,
+    metavar="S",
+    help=f"process-group timeout: how long a collective waits for missing ranks (default {DEFAULT_TIMEOUT_S:g} s)",
+)
+
+
+class SessionParallelMagics(ParallelMagics):
+    """ipyparallel's magics on the session's view; the waiting is the session's (see module doc)."""
+
+    stream_output = False  # grouped by rank once the cell ends, not interleaved as it comes
+    progress_after_seconds = -1  # no progress bar in the stored outputs
+
+    def parallel_execute(self, cell: str, block: bool | None = None, groupby: str = "type", **options: Any) -> Any:
+        session = sessions.current()
+        session.check()
+        if not (self.view.block if block is None else block):
+            return super().parallel_execute(cell, block=False, save_name=options.get("save_name"))
+        result = super().parallel_execute(cell, block=False, save_name=options.get("save_name"))
+        try:
+            session.wait(result)
+        except KeyboardInterrupt:
+            print(session.interrupt(result), file=sys.stderr)
+            raise
+        finally:
+            if result.done():
+                result.wait_for_output(1)
+                result.display_outputs(groupby)
+        try:
+            result.get()
+        except Exception as error:
+            raise session.explain(error) from None
+
+
+@magics_class
+class DistMagics(Magics):
+    @line_magic
+    def dist(self, line: str) -> None:
+        """%dist start -n N [--backend auto|gloo|nccl] [--timeout S] | status | restart | stop
+
+        start: a controller on loopback and N ipyparallel engines started by torchrun (engine id ==
+        rank), each in the default process group, with torch, dist, rank, world_size, local_rank and
+        device defined. Then %%px runs a cell on every rank (--targets for some) and state persists.
+        """
+        args = PARSER.parse_args(shlex.split(line))
+        if args.action == "start":
+            if args.nproc is None:
+                raise LaunchError("%dist start needs -n N, the number of ranks")
+            settings = Settings.create(args.nproc, args.backend, args.timeout)  # refuses before starting
+            self._started(sessions.start(settings))
+        elif args.action == "restart":
+            self._unbind()
+            self._started(sessions.restart())
+        elif args.action == "status":
+            print(sessions.current().status())
+        else:
+            self._unbind()
+            sessions.stop()
+            print("session stopped")
+
+    def _started(self, session: sessions.Session) -> None:
+        self.shell.register_magics(SessionParallelMagics(self.shell, session.view))  # type: ignore[union-attr]
+        s = session.settings
+        print(f"session: {s.nproc} ranks, backend {s.backend}, started in {session.seconds:.1f} s")
+
+    def _unbind(self) -> None:
+        """Put the placeholders back (and leave %autopx) before the view goes."""
+        bound = self.shell.magics_manager.registry.get("SessionParallelMagics")  # type: ignore[union-attr]
+        if bound is not None and bound._autopx:
+            bound._disable_autopx()
+        self.shell.register_magics(NoSessionMagics)  # type: ignore[union-attr]
+
+
+@magics_class
+class NoSessionMagics(Magics):
+    """The names ipyparallel's magics take once a session runs; until then, each says to start one."""
+
+    @line_cell_magic
+    def px(self, line: str, cell: str | None = None) -> None:
+        raise SessionError(NO_SESSION)
+
+    @line_magic
+    def autopx(self, line: str) -> None:
+        raise SessionError(NO_SESSION)
+
+    @line_magic
+    def pxresult(self, line: str) -> None:
+        raise SessionError(NO_SESSION)
+
+    @line_magic
+    def pxconfig(self, line: str) -> None:
+        raise SessionError(NO_SESSION)

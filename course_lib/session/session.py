@@ -1,0 +1,245 @@
+"""One persistent session: the controller, the agent, N engines, and the view whose targets are the ranks.
+
+At most one session runs per kernel (:func:`current`). Every wait on the ranks goes through
+:meth:`Session.wait`, which watches the rank processes while it waits: a dead rank is named at once
+instead of after ipyparallel's heartbeat timeouts. :meth:`Session.explain` turns the engines'
+CompositeError into one error that names the ranks, the exception and the cell line.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import re
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from course_lib.launch.backend import LaunchError
+from course_lib.launch.spec import RunSpec
+from course_lib.session import processes
+from course_lib.session.processes import START_TIMEOUT_S, SessionDir
+
+DEFAULT_TIMEOUT_S = 60.0  # the process-group timeout: how long a collective waits for missing ranks
+INTERRUPT_GRACE_S = 5.0  # after SIGINT, how long the ranks get to stop before the session restarts
+RESTART = "run %dist restart"
+NO_SESSION = "no session is running: run %dist start -n N first"
+TIMEOUT_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError")
+
+_SESSION: Session | None = None
+
+
+class SessionError(RuntimeError):
+    """What went wrong on the ranks, said in one message (IPython shows no kernel frames)."""
+
+    def __init__(self, message: str, details: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.details = details or []
+
+    def _render_traceback_(self) -> list[str]:
+        return [*self.details, f"{type(self).__name__}: {self}"]
+
+
+@dataclass(frozen=True)
+class Settings:
+    nproc: int
+    backend: str  # "gloo" or "nccl"
+    timeout: float
+
+    @classmethod
+    def create(cls, nproc: object, backend: object = "auto", timeout: object = DEFAULT_TIMEOUT_S) -> Settings:
+        """Checked like a %%torchrun request (RunSpec.create): LaunchError for anything that cannot run."""
+        spec = RunSpec.create(nproc=nproc, backend=backend, timeout=timeout)
+        return cls(spec.nproc, spec.backend, spec.timeout)
+
+
+def current() -> Session:
+    """The running session; SessionError when there is none."""
+    if _SESSION is None:
+        raise SessionError(NO_SESSION)
+    return _SESSION
+
+
+def view() -> Any:  # an ipyparallel DirectView
+    """The DirectView of the running session: its targets are the ranks (engine id == rank)."""
+    return current().view
+
+
+def start(settings: Settings) -> Session:
+    global _SESSION
+    if _SESSION is not None:
+        raise LaunchError(
+            f"a session with {_SESSION.settings.nproc} ranks is already running: "
+            "%dist restart starts fresh ranks with the same settings, %dist stop ends it"
+        )
+    _SESSION = Session(settings)
+    try:
+        _SESSION.start()
+    except BaseException:
+        stop()
+        raise
+    return _SESSION
+
+
+@atexit.register
+def stop() -> None:
+    """Stop the running session, if any: no process of it is left, its folder is removed."""
+    global _SESSION
+    session, _SESSION = _SESSION, None
+    if session is not None:
+        session.stop()
+
+
+class Session:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.folder = SessionDir.create()
+        self.procs: list[subprocess.Popen] = []
+        self.client: Any = None
+        self.view: Any = None
+        self.seconds = 0.0
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(range(self.settings.nproc))
+
+    def start(self) -> None:
+        from ipyparallel import Client
+
+        begin = time.monotonic()
+        deadline = begin + START_TIMEOUT_S
+        # Both at once: the engines import torch while the controller starts, then wait for its file.
+        self.procs.append(processes.start_controller(self.folder))
+        self.procs.append(processes.start_agent(self.folder, self.settings.nproc))
+        while self.client is None or len(self.client.ids) < self.settings.nproc:
+            if self.dead() or time.monotonic() > deadline:
+                why = self.dead() or f"not every engine registered within {START_TIMEOUT_S:g} s"
+                logs = "\n".join(processes.tail(log) for log in (self.folder.controller_log, self.folder.agent_log))
+                raise LaunchError(f"the session did not start: {why}\n{logs}")
+            if self.client is None and self.folder.client_file.exists():
+                with contextlib.suppress(ValueError):  # the controller may be writing it still
+                    self.client = Client(str(self.folder.client_file))
+            time.sleep(0.05)
+        self.view = self.client[self.ranks]
+        self.view.block = True
+        setup = "from course_lib.session.engine import prepare as _prepare\n"
+        setup += f"globals().update(_prepare({self.settings.backend!r}, {self.settings.timeout!r}))\ndel _prepare\n"
+        result = self.view.execute(setup, block=False)
+        self.wait(result)
+        try:
+            result.get()
+        except Exception as error:
+            raise self.explain(error) from None
+        self.seconds = time.monotonic() - begin
+
+    def dead(self) -> str | None:
+        """'rank 2 (SIGKILL) died' when a rank, the agent or the controller is gone; None when all run."""
+        gone = [rank for rank, pid in self.folder.rank_pids().items() if not processes.alive(pid)]
+        agent_gone = len(self.procs) > 1 and self.procs[1].poll() is not None
+        if gone or agent_gone:
+            first = processes.first_failure(self.folder)  # torchrun's report, once it has ended the others
+            ranks = f"rank {gone[0]}" if len(gone) == 1 else f"ranks {', '.join(map(str, gone))}"
+            return f"{first or ranks} died" + (f" (now gone: {ranks})" if first and gone else "")
+        if self.procs and self.procs[0].poll() is not None:
+            return "the ipyparallel controller died"
+        return None
+
+    def check(self) -> None:
+        """SessionError naming the dead rank when the session cannot run cells."""
+        why = self.dead()
+        if why:
+            raise SessionError(f"{why}: the session's ranks are gone: {RESTART}")
+
+    def wait(self, result: Any) -> None:
+        """Wait for `result`, checking the ranks 10 times a second; SessionError if one dies meanwhile."""
+        while not result.wait(0.1):
+            self.check()
+
+    def interrupt(self, result: Any) -> str:
+        """SIGINT to every rank; if they do not stop within INTERRUPT_GRACE_S, a fresh session. Says which."""
+        processes.interrupt(list(self.folder.rank_pids().values()))
+        deadline = time.monotonic() + INTERRUPT_GRACE_S
+        while not result.done() and time.monotonic() < deadline and not self.dead():
+            time.sleep(0.05)
+        if result.done():
+            return "interrupted: sent SIGINT to every rank, which stopped the cell; the session keeps its state"
+        restart()
+        return (
+            f"interrupted: the ranks did not stop within {INTERRUPT_GRACE_S:g} s of SIGINT, so the session "
+            "was restarted (fresh ranks: earlier variables are gone)"
+        )
+
+    def explain(self, error: BaseException) -> BaseException:
+        """One SessionError for a CompositeError from the ranks (other errors come back unchanged)."""
+        elist = getattr(error, "elist", None)  # a CompositeError; a RemoteError when one rank was targeted
+        if elist is None and hasattr(error, "engine_info"):
+            elist = [(error.ename, error.evalue, error.traceback, error.engine_info)]  # type: ignore[attr-defined]
+        if elist is None:
+            return error
+        render = getattr(error, "render_traceback", None)
+        details = render() if render else []
+        why = self.dead()
+        if why:
+            return SessionError(f"{why} while the cell ran: the session's ranks are gone: {RESTART}", details)
+        failures = sorted((info.get("engine_id", -1), name, str(value), tb or "") for name, value, tb, info in elist)
+        stuck = [rank for rank, name, value, _ in failures if _timed_out(name, value)]
+        if stuck:
+            return SessionError(
+                f"{_ranks(stuck)} waited in a collective that not every rank entered and gave up after the "
+                f"process-group timeout ({self.settings.timeout:g} s): the process group is now broken: {RESTART}",
+                details,
+            )
+        said = [f"rank {rank} raised {name}: {value}{_cell_line(tb)}" for rank, name, value, tb in failures]
+        return SessionError("; ".join(said), details)
+
+    def status(self) -> str:
+        import psutil
+
+        why = self.dead()
+        lines = [
+            f"{self.settings.nproc} ranks, backend {self.settings.backend}, "
+            f"collective timeout {self.settings.timeout:g} s: " + (why or "all alive")
+        ]
+        for rank, pid in self.folder.rank_pids().items():
+            try:
+                rss = psutil.Process(pid).memory_info().rss / 2**20
+                lines.append(f"rank {rank}: pid {pid}, {rss:.0f} MiB resident")
+            except psutil.Error:
+                lines.append(f"rank {rank}: pid {pid}, gone")
+        if self.settings.backend == "nccl" and not why:
+            self.view.execute("_dist_cuda_mib = torch.cuda.memory_allocated(device) / 2**20", block=True)
+            for rank, mib in enumerate(self.view.pull("_dist_cuda_mib", block=True)):
+                lines.append(f"rank {rank}: {mib:.0f} MiB allocated on cuda:{rank}")
+        return "\n".join(lines)
+
+    def stop(self) -> None:
+        if self.client is not None:
+            self.client.close()
+        processes.end(self.procs, self.folder)
+        self.folder.remove()
+
+
+def restart() -> Session:
+    """Stop the running session and start a fresh one with the same settings."""
+    settings = current().settings
+    stop()
+    return start(settings)
+
+
+def _timed_out(name: str, value: str) -> bool:
+    return name in TIMEOUT_ERRORS or bool(re.search(r"timed? ?out", value, re.I))
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def _cell_line(traceback: str) -> str:
+    """' (cell line 2)' from the first frame of the cell in an engine's traceback."""
+    found = re.search(r"(?:Cell In\[\d+\]|<module>|<ipython-input-[^>]*>),? line (\d+)", _plain(traceback))
+    return f" (cell line {found.group(1)})" if found else ""
+
+
+def _plain(text: str) -> str:
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)

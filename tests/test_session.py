@@ -1,0 +1,233 @@
+"""The persistent session (`%dist` + `%%px`) through real IPython kernels, as a notebook drives it.
+
+One kernel holds one 2-rank gloo session that the tests share in file order (start-up is the slow
+part); the failure tests use a 3 s process-group timeout. A second kernel checks that two sessions
+do not collide and that killing a kernel leaves none of its processes. Processes are counted by the
+pids the session recorded, never by name.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.timeout(240)
+
+TIMEOUT_S = 3  # the sessions' process-group timeout here
+PIDS = (
+    "from course_lib.session import session as _s\n"
+    "print('PIDS', [p.pid for p in _s.current().procs] + list(_s.current().folder.rank_pids().values()))\n"
+    "print('FOLDER', _s.current().folder.path)"
+)
+
+
+class Kernel:
+    """An IPython kernel with course_lib loaded; run() returns what a cell printed and raised."""
+
+    def __init__(self, tmp: Path) -> None:
+        from jupyter_client import KernelManager
+
+        env = {**os.environ, "TMPDIR": str(tmp)}
+        env.pop("PYTEST_CURRENT_TEST", None)
+        self.km = KernelManager(kernel_name="python3", transport="ipc", ip=str(tmp / "kernel-ipc"))
+        self.km.start_kernel(env=env)
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=120)
+        assert not self.run("%load_ext course_lib")[1]
+
+    def run(self, code: str, timeout: float = 180) -> tuple[str, str]:
+        """(everything printed, the error's name, value and traceback or "") for one cell."""
+        printed: list[str] = []
+
+        def hook(msg: dict) -> None:
+            if msg["msg_type"] == "stream":
+                printed.append(msg["content"]["text"])
+            elif msg["msg_type"] == "error":
+                printed.append("\n".join(msg["content"]["traceback"]))
+
+        reply = self.kc.execute_interactive(code, timeout=timeout, output_hook=hook)["content"]
+        error = "" if reply["status"] == "ok" else f"{reply['ename']}: {reply['evalue']}\n" + "\n".join(printed)
+        return _plain("".join(printed)), _plain(error)
+
+    def session_pids(self) -> tuple[list[int], Path]:
+        out, error = self.run(PIDS)
+        assert not error, error
+        pids = re.search(r"PIDS \[(.*)\]", out)
+        folder = re.search(r"FOLDER (\S+)", out)
+        assert pids and folder, out
+        return [int(p) for p in pids.group(1).split(",")], Path(folder.group(1))
+
+    def close(self) -> None:
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=False)
+
+
+def by_rank(*lines: str) -> str:
+    """What %%px prints: each rank's output under its header, in rank order."""
+    return "".join(f"[stdout:{rank}] \n{line}\n" for rank, line in enumerate(lines))
+
+
+def _plain(text: str) -> str:
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)
+
+
+def _alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.Error:
+            pass
+    return alive
+
+
+def _gone_within(pids: list[int], seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return _alive(pids)
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    k = Kernel(tmp_path_factory.mktemp("kernel"))
+    yield k
+    k.kc.stop_channels()
+    k.km.shutdown_kernel(now=True)  # killed already by the last test
+
+
+def test_bad_input_is_refused_at_once(kernel):
+    kernel.run("import torch")  # the backend check imports torch: seconds on a loaded machine, once
+    for code, expected in [
+        ("%%px\nprint(rank)", "run %dist start -n N first"),
+        ("%px print(rank)", "run %dist start -n N first"),
+        ("%dist start -n 0", "-n must be at least 1 rank"),
+        ("%dist start -n 2 --backend mpi", "unknown backend"),
+        ("%dist start -n 2 --timeout never", "--timeout takes a number"),
+        ("%dist status", "run %dist start -n N first"),
+    ]:
+        start = time.monotonic()
+        _, error = kernel.run(code)
+        assert expected in error, (code, error)
+        assert time.monotonic() - start < 5, code
+    if not _gpus():
+        _, error = kernel.run("%dist start -n 2 --backend nccl")
+        assert "needs CUDA GPUs" in error
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def test_start_state_persists_output_in_rank_order(kernel):
+    out, error = kernel.run(f"%dist start -n 2 --backend gloo --timeout {TIMEOUT_S}")
+    assert not error, error
+    assert re.fullmatch(r"session: 2 ranks, backend gloo, started in [0-9.]+ s\n", out), out
+    _, error = kernel.run("%%px\nx = torch.full((2,), float(rank + 1))\ndist.all_reduce(x)")
+    assert not error, error
+    out, error = kernel.run("%%px\nprint(rank, world_size, local_rank, device, x.tolist())")
+    assert not error, error
+    assert out == by_rank("0 2 0 cpu [3.0, 3.0]", "1 2 1 cpu [3.0, 3.0]"), out
+    out, error = kernel.run("import course_lib.session\nprint(course_lib.session.view().targets)")
+    assert out == "[0, 1]\n", (out, error)
+    out, error = kernel.run("%px print(rank * 10)")
+    assert out == by_rank("0", "10"), (out, error)
+    _, error = kernel.run("%dist start -n 2")
+    assert "already running" in error and "%dist restart" in error, error
+
+
+def test_a_rank_raises_names_rank_exception_and_line(kernel):
+    _, error = kernel.run("%%px\ny = 1\nif rank == 1:\n    raise ValueError('boom on one rank')")
+    assert "rank 1 raised ValueError: boom on one rank (cell line 3)" in error, error
+    assert "rank 0 raised" not in error
+    out, error = kernel.run("%%px\nprint(y, x.tolist())")
+    assert out == by_rank("1 [3.0, 3.0]", "1 [3.0, 3.0]"), (out, error)
+
+
+def test_status(kernel):
+    out, error = kernel.run("%dist status")
+    assert not error, error
+    assert "2 ranks, backend gloo, collective timeout 3 s: all alive" in out, out
+    assert re.search(r"rank 1: pid \d+, \d+ MiB resident", out), out
+
+
+def test_two_kernels_do_not_collide_and_shutdown_leaves_nothing(kernel, tmp_path):
+    other = Kernel(tmp_path)
+    try:
+        _, error = other.run(f"%dist start -n 2 --backend gloo --timeout {TIMEOUT_S}")
+        assert not error, error
+        (pids_a, folder_a), (pids_b, folder_b) = kernel.session_pids(), other.session_pids()
+        assert folder_a != folder_b and not set(pids_a) & set(pids_b)
+        for k, value in ((kernel, "a"), (other, "b")):
+            k.run(f"%px v = {value!r} + str(rank)")
+        assert kernel.run("%px print(v)")[0] == by_rank("a0", "a1")
+        assert other.run("%px print(v)")[0] == by_rank("b0", "b1")
+    finally:
+        other.close()  # a kernel shut down as Jupyter does it: its session ends with it
+    assert _gone_within(pids_b, 10) == []
+    assert not folder_b.exists()
+    assert kernel.run("%px print(v)")[0] == by_rank("a0", "a1")
+
+
+def test_collective_not_every_rank_enters_ends_at_the_timeout(kernel):
+    start = time.monotonic()
+    _, error = kernel.run("%%px --targets 0\ndist.all_reduce(torch.ones(1))")
+    assert time.monotonic() - start < TIMEOUT_S + 10
+    assert "rank 0 waited in a collective that not every rank entered" in error, error
+    assert "process group is now broken: run %dist restart" in error, error
+
+
+def test_interrupt_stops_the_ranks_cell(kernel):
+    timer = threading.Timer(3, kernel.km.interrupt_kernel)
+    timer.start()
+    start = time.monotonic()
+    out, error = kernel.run("%%px\nimport time\nz = 5\ntime.sleep(60)")
+    timer.join()
+    assert time.monotonic() - start < 20
+    assert "KeyboardInterrupt" in error, error
+    assert "sent SIGINT to every rank, which stopped the cell" in out + error, (out, error)
+    out, error = kernel.run("%px print(z)")
+    assert out == by_rank("5", "5"), (out, error)
+
+
+def test_a_dead_rank_is_named_within_10_s(kernel):
+    pids, _ = kernel.session_pids()
+    threading.Timer(2, os.kill, (pids[-1], signal.SIGKILL)).start()  # rank 1's engine
+    start = time.monotonic()
+    _, error = kernel.run("%%px\nimport time\ntime.sleep(60)")
+    assert time.monotonic() - start < 2 + 10
+    assert "rank 1 died" in error and "run %dist restart" in error, error
+    start = time.monotonic()
+    _, error = kernel.run("%px 1")
+    assert time.monotonic() - start < 10
+    assert re.search(r"rank 1( \(SIGKILL\))? died", error), error  # the signal once torchrun has reported it
+
+
+def test_stop_leaves_no_process_and_no_folder(kernel):
+    pids, folder = kernel.session_pids()  # controller, agent, both engines (rank 0's ended by the agent)
+    assert oct(folder.stat().st_mode & 0o777) == "0o700"
+    out, error = kernel.run("%dist stop")
+    assert out == "session stopped\n", (out, error)
+    assert _alive(pids) == [] and not folder.exists()
+    _, error = kernel.run("%%px\n1")
+    assert "run %dist start -n N first" in error
+
+
+def test_a_killed_kernel_leaves_nothing(kernel):
+    _, error = kernel.run(f"%dist start -n 2 --backend gloo --timeout {TIMEOUT_S}")
+    assert not error, error
+    pids, folder = kernel.session_pids()
+    assert len(_alive(pids)) == 4
+    os.kill(kernel.km.provisioner.process.pid, signal.SIGKILL)  # type: ignore[union-attr]
+    assert _gone_within(pids, 10) == []
