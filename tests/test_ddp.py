@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib import ddp
-from course_lib.exercises import check
+from course_lib.exercises import check, check_prediction
 from course_lib.models import MLP
 from tests.rank_programs import ddp as rank_programs
 from tests.rank_programs import run
@@ -59,10 +59,18 @@ def test_hooks_snapshot_and_exercise_checkers():
     assert [v["snapshot_gap"] for v in values] == [0.0] * nproc
     assert values[0]["snapshot_keys"] == sorted(MLP().state_dict())  # no "module." prefix
     for rank, verdicts in enumerate(v["verdicts"] for v in values):
-        assert verdicts["solution_average_gradient"] == "passed"
-        assert verdicts["solution_mean_allreduce_hook"] == "passed"
+        for solution in ("average_gradient", "mean_allreduce_hook", "accumulate_step"):
+            assert verdicts[solution] == "passed", (rank, solution, verdicts[solution])
         for wrong in ("sum_without_average", "local_only", "hook_sum_only", "hook_local_only"):
             assert verdicts[wrong].startswith("step 0: gradient of"), (rank, wrong, verdicts[wrong])
+        expected = {
+            "accumulate_never_syncs": "step 0: no all-reduce ran",
+            "accumulate_syncs_every_micro_batch": "step 0: DDP all-reduced 2 times",
+            "accumulate_no_sync_around_backward_only": "step 0: DDP all-reduced 2 times",
+            "accumulate_sums_losses": "step 0: 0.weight after your step",
+        }
+        for wrong, message in expected.items():
+            assert verdicts[wrong].startswith(message), (rank, wrong, verdicts[wrong])
 
 
 def wrong_average_gradient(param):
@@ -74,6 +82,37 @@ def test_check_reports_wrong_answer_with_its_rank(capsys):
     said = capsys.readouterr().out
     # every rank gets it wrong; whichever reported first is named
     assert re.match(r"✗ wrong_average_gradient: rank [01]: step 0: gradient of 0\.weight", said), said
+
+
+def test_prediction_accepts_the_formula_and_rejects_typical_mistakes(capsys):
+    """Exercise 3: bytes per rank per step. The notebook measures the formula + under 1% of headers."""
+    import runpy
+
+    big_bytes = 14_697_472
+    for n in (2, 3, 4):
+        measured = 1.005 * ddp.ring_bytes(big_bytes, n)
+        path = os.path.join(os.path.dirname(__file__), "..", "notebooks", "solutions", "02_ddp.py")
+        predicted = runpy.run_path(path, init_globals={"NPEERS": n, "big_bytes": big_bytes})["predicted_bytes_per_step"]
+        assert check_prediction("bytes", predicted, measured, rtol=0.03) is True
+        wrong = [2 * big_bytes, (n - 1) / n * big_bytes, n * big_bytes, 2 * n * big_bytes]  # no /N, half, x N
+        if n > 2:
+            wrong.append(big_bytes)  # "the model once": right only at N = 2
+        for guess in wrong:
+            assert check_prediction("bytes", guess, measured, rtol=0.03) is False, (n, guess)
+    assert "too high" in capsys.readouterr().out
+
+
+def test_dividing_first_bounds_the_partial_sums_but_not_an_overflowed_rank_nor_underflow():
+    for n in (2, 3, 4, 8):
+        big = [torch.tensor([60000.0 - 1000 * r], dtype=torch.float16) for r in range(n)]
+        mean, partial = ddp.low_precision_mean(big, divide_first=True)
+        assert all(p.abs().max() <= 60000 for p in partial) and mean.isfinite().all()
+        assert ddp.low_precision_mean(big, divide_first=False)[0].isinf().all()
+        inf = [torch.tensor([float("inf")], dtype=torch.float16), *big[1:]]
+        assert ddp.low_precision_mean(inf, divide_first=True)[0].isinf().all()
+        tiny = [torch.tensor([6e-8], dtype=torch.float16)] * n
+        assert ddp.low_precision_mean(tiny, divide_first=True)[0].item() == 0
+        assert ddp.low_precision_mean(tiny, divide_first=False)[0].item() > 0
 
 
 def test_assign_buckets_matches_torch_reducer():

@@ -22,6 +22,14 @@ def test_zero_stages_equal_single_process_and_fully_shard(nproc):
     results = run(rank_programs.equality, nproc, timeout=240)
     problems = [p for per_rank in results for p in per_rank["problems"]]
     assert not problems, "\n".join(problems)
+    for rank, result in enumerate(results):
+        messages = result["reduce_messages"]
+        assert messages["reduce_own_chunk"].startswith(f"gradient of shape {(4 * nproc, 3)} on {nproc} ranks")
+        assert messages["reduce_local_only"].startswith("gradient of shape"), messages
+        assert messages["reduce_sum_not_mean"].startswith("gradient of shape"), messages
+        if rank:  # rank 0's chunk is right on rank 0
+            assert messages["reduce_rank0_chunk"].startswith("gradient of shape"), messages
+        assert "return this rank's flat 1-D chunk" in messages["reduce_not_flat"], messages
     per_rank = [r["wrong_failed"] for r in results]
     assert set(per_rank[0]) == {
         "torch.chunk (ceil-sized chunks)",
@@ -55,6 +63,33 @@ def test_stub_is_not_attempted(capsys):
 
     assert check(shard_with_adam_state, fsdp.check_shard_with_adam_state, nproc=2) is None
     assert "not attempted yet" in capsys.readouterr().out
+
+
+def test_hsdp_prediction_accepts_the_formula_and_rejects_typical_mistakes(capsys):
+    import runpy
+    from pathlib import Path
+
+    from course_lib.exercises import check_prediction
+
+    P = 658_688  # the notebook's WIDE MLP in bytes
+    path = Path(__file__).resolve().parents[1] / "notebooks" / "solutions" / "03_fsdp2.py"
+    predicted = runpy.run_path(str(path), init_globals={"P": P})["predicted_hsdp_bytes"]
+    assert check_prediction("HSDP bytes", predicted, 2 * P, rtol=0.05) is True
+    # FSDP over all 4 ranks, DDP's all-reduce, forgetting the replicate all-reduce, all-reducing the full model
+    for wrong in (3 * 3 / 4 * P, 2 * 3 / 4 * P, 1.5 * P, 2.5 * P, 3 * P):
+        assert check_prediction("HSDP bytes", wrong, 2 * P, rtol=0.05) is False, wrong
+    capsys.readouterr()
+
+
+def test_recorded_collectives_and_cost_models():
+    calls = [("all_gather", (0, 1, 2, 3), 400), ("reduce_scatter", (0, 1), 200), ("all_reduce", (0, 2), 100)]
+    assert fsdp.sent_bytes(calls) == 300 + 100 + 100
+    assert fsdp.sent_bytes(calls, fsdp.GLOO) == 300 + 200 + 100
+    assert fsdp.per_group(calls + calls[:1]) == {
+        ("all_gather", (0, 1, 2, 3)): (2, 800),
+        ("reduce_scatter", (0, 1)): (1, 200),
+        ("all_reduce", (0, 2)): (1, 100),
+    }
 
 
 def test_collectives_formula():

@@ -5,15 +5,10 @@
 - train: the training harness, single-process or data-parallel over the same batches
 - comm_hooks: torch DDP's compression hooks (fp16, bf16, PowerSGD) and a timing hook
 - figures: ring bytes, the bucket/overlap simulator, memory per rank
-- checkers: the exercises' reference solutions and checkers
+- checkers: the exercises' checkers (the solutions are in notebooks/solutions/02_ddp.py)
 """
 
-from course_lib.ddp.checkers import (
-    check_average_gradient,
-    check_mean_allreduce_hook,
-    solution_average_gradient,
-    solution_mean_allreduce_hook,
-)
+from course_lib.ddp.checkers import check_accumulate_step, check_average_gradient, check_mean_allreduce_hook
 from course_lib.ddp.comm_hooks import (
     COMM_HOOKS,
     attach_comm_hook,
@@ -23,7 +18,13 @@ from course_lib.ddp.comm_hooks import (
     timed_allreduce_hook,
     train_with_hook,
 )
-from course_lib.ddp.figures import ddp_bytes_per_rank, overlap_fraction, ring_bytes, simulate_buckets
+from course_lib.ddp.figures import (
+    ddp_bytes_per_rank,
+    low_precision_mean,
+    overlap_fraction,
+    ring_bytes,
+    simulate_buckets,
+)
 from course_lib.ddp.minimal_ddp import MB, Bucket, MinimalDDP, assign_buckets, unwrap
 from course_lib.ddp.replicas import check_gradient_sync, load_snapshot, save_snapshot
 from course_lib.ddp.train import TrainLog, bytes_written, global_loader, rank_loader, shuffled_order, train
@@ -38,6 +39,7 @@ __all__ = [
     "attach_comm_hook",
     "bf16_compress_hook_any_backend",
     "bytes_written",
+    "check_accumulate_step",
     "check_average_gradient",
     "check_gradient_sync",
     "check_mean_allreduce_hook",
@@ -45,6 +47,7 @@ __all__ = [
     "global_loader",
     "gradient_error",
     "load_snapshot",
+    "low_precision_mean",
     "overlap_fraction",
     "payload_bytes",
     "rank_loader",
@@ -52,8 +55,6 @@ __all__ = [
     "save_snapshot",
     "shuffled_order",
     "simulate_buckets",
-    "solution_average_gradient",
-    "solution_mean_allreduce_hook",
     "timed_allreduce_hook",
     "train",
     "train_with_hook",

@@ -1,8 +1,9 @@
-"""Notebook 02's exercises: the reference solutions and the checkers that run them on every rank.
+"""Notebook 02's exercise checkers, run on every rank (the solutions: notebooks/solutions/02_ddp.py).
 
-Both exercises are judged the same way: a few SGD steps next to torch DDP, whose gradients (the
-average over ranks) the candidate must reproduce. No ``from __future__ import annotations``: the
-reference hook goes to DDP's register_comm_hook, which compares its annotations with real classes.
+Each is judged next to torch DDP on data that differs per rank: a few SGD steps whose gradients
+(the average over ranks) or weights the candidate must reproduce, so an answer that does not
+communicate cannot pass. No ``from __future__ import annotations``: a hook goes to DDP's
+register_comm_hook, which compares its annotations with real classes.
 """
 
 from collections.abc import Callable, Iterator
@@ -11,22 +12,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib.ddp.comm_hooks import CommHook
+from course_lib.ddp.comm_hooks import CommHook, timed_allreduce_hook
 from course_lib.ddp.minimal_ddp import unwrap
 from course_lib.ddp.train import rank_loader
 from course_lib.exercises import ExerciseFailed, expect_equal
 from course_lib.launch.runtime import rank_device
-
-
-def solution_average_gradient(param: torch.Tensor) -> None:
-    assert param.grad is not None
-    dist.all_reduce(param.grad)
-    param.grad /= dist.get_world_size()
-
-
-def solution_mean_allreduce_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    buffer = bucket.buffer() / dist.get_world_size()
-    return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
 def _exercise_batches(steps: int = 3) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -87,3 +77,43 @@ def check_mean_allreduce_hook(fn: CommHook) -> None:
         _compare_with_torch_ddp(model)
     finally:
         del model
+
+
+def check_accumulate_step(fn: Callable[..., None]) -> None:
+    """fn(ddp_model, micro_batches, optimizer): one step over 2 micro-batches with accumulated gradients.
+    The weights after each step must equal torch DDP's step on the whole rank batch, and DDP must have
+    all-reduced its (single) bucket exactly once per step: no sync is the desync bug, two is no no_sync."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from course_lib.models import MLP
+
+    syncs: list[tuple[int, int, float, float]] = []
+    model = DDP(MLP(seed=0).to(rank_device()))  # 60 kB of gradients: one bucket
+    model.register_comm_hook(None, timed_allreduce_hook(syncs))
+    reference = DDP(MLP(seed=0).to(rank_device()))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1)
+    try:
+        for step, (x, y) in enumerate(_exercise_batches()):
+            syncs.clear()
+            fn(model, [(x[:8], y[:8]), (x[8:], y[8:])], opt)
+            opt_ref.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(reference(x), y).backward()
+            opt_ref.step()
+            if not syncs:
+                raise ExerciseFailed(f"step {step}: no all-reduce ran, so this rank stepped with its own gradient")
+            if len(syncs) > 1:
+                raise ExerciseFailed(
+                    f"step {step}: DDP all-reduced {len(syncs)} times for 2 micro-batches; accumulation should "
+                    "communicate once per optimizer step"
+                )
+            for (name, p), q in zip(model.module.named_parameters(), reference.module.parameters()):
+                expect_equal(
+                    f"step {step}: {name} after your step (torch DDP on the whole batch)",
+                    p.detach(),
+                    q.detach(),
+                    atol=1e-5,
+                    rtol=1e-4,
+                )
+    finally:
+        del model, reference

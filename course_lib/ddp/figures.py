@@ -1,6 +1,9 @@
-"""Kernel-side arithmetic behind notebook 02's figures and tables: ring bytes, the bucket simulator, memory."""
+"""Kernel-side arithmetic behind notebook 02's figures and tables: ring bytes, the bucket simulator, memory,
+and what dividing by N before the sum does in low precision."""
 
 from __future__ import annotations
+
+import torch
 
 from course_lib.ddp.minimal_ddp import MB
 from course_lib.memory import zero_bytes_per_gpu
@@ -9,6 +12,18 @@ from course_lib.memory import zero_bytes_per_gpu
 def ring_bytes(payload: int, world_size: int) -> float:
     """Bytes each rank sends in a ring all-reduce: reduce-scatter + all-gather, (N-1)/N of the data each."""
     return 2 * (world_size - 1) / world_size * payload
+
+
+def low_precision_mean(grads: list[torch.Tensor], divide_first: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The mean of the ranks' gradients as a reduction in their dtype computes it: added one rank after
+    the other (every addition rounds), each divided by N before (`divide_first`, as torch DDP does) or
+    the sum divided after. Returns (mean, the running partial sums)."""
+    n = len(grads)
+    terms = [g / n for g in grads] if divide_first else list(grads)
+    partial = [terms[0]]
+    for term in terms[1:]:
+        partial.append(partial[-1] + term)
+    return (partial[-1] if divide_first else partial[-1] / n), partial
 
 
 def simulate_buckets(

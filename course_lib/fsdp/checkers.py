@@ -1,4 +1,6 @@
-"""Notebook 03's exercise: shard a parameter and its Adam state the way ZeroModel does, checked on every rank."""
+"""Notebook 03's exercises, checked on every rank: shard a parameter and its Adam state the way ZeroModel
+does; the fixed `reduce_gradient` of the diagnose exercise (this rank's shard of the averaged gradient).
+The solutions are in notebooks/solutions/03_fsdp2.py."""
 
 from __future__ import annotations
 
@@ -9,14 +11,12 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib.exercises import ExerciseFailed, expect_equal
+from course_lib.launch.runtime import rank_device
 
 
-def solution_shard_with_adam_state(
-    param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor
-) -> tuple[torch.Tensor, ...]:
-    """The reference answer: this rank's chunk of each tensor, flattened and cut by tensor_split."""
-    rank, n = dist.get_rank(), dist.get_world_size()
-    return tuple(torch.tensor_split(t.reshape(-1), n)[rank].clone() for t in (param, exp_avg, exp_avg_sq))
+def _my_chunk(t: torch.Tensor) -> torch.Tensor:
+    """This rank's chunk, ZeroModel's cut: flattened, torch.tensor_split into world_size chunks."""
+    return torch.tensor_split(t.reshape(-1), dist.get_world_size())[dist.get_rank()]
 
 
 def check_shard_with_adam_state(fn: Callable[..., Sequence[torch.Tensor]]) -> None:
@@ -34,7 +34,7 @@ def check_shard_with_adam_state(fn: Callable[..., Sequence[torch.Tensor]]) -> No
         got = fn(full.detach().clone(), state["exp_avg"].clone(), state["exp_avg_sq"].clone())
         if not isinstance(got, (tuple, list)) or len(got) != 3:
             raise ExerciseFailed(f"shape {shape}: return three tensors (param, exp_avg, exp_avg_sq)")
-        expected = solution_shard_with_adam_state(full.detach(), state["exp_avg"], state["exp_avg_sq"])
+        expected = [_my_chunk(t) for t in (full.detach(), state["exp_avg"], state["exp_avg_sq"])]
         for what, g, e in zip(("param", "exp_avg", "exp_avg_sq"), got, expected):
             expect_equal(f"full shape {shape}, {n} ranks: {what} shard", g, e, atol=0, rtol=0)
         # Adam is elementwise: stepping the shard with the shard of the state is the full step, sliced.
@@ -56,3 +56,35 @@ def check_shard_with_adam_state(fn: Callable[..., Sequence[torch.Tensor]]) -> No
             atol=1e-6,
             rtol=1e-5,
         )
+
+
+def check_reduce_gradient(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """fn(full_grad) -> this rank's tensor_split chunk of the gradient averaged over ranks. Every rank's
+    gradient is its own (seeded by rank), so no rank can compute the answer without the others; sizes
+    that divide by N come first (a wrong cut gives wrong numbers there), then sizes that do not."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    for shape in [(4 * n, 3), (2 * n, 5), (2 * n + 1,), (5, 2 * n + 1)]:
+        grads = [torch.randn(shape, generator=torch.Generator().manual_seed(100 * r + sum(shape))) for r in range(n)]
+        mine = grads[rank].clone().to(rank_device())
+        got = fn(mine)
+        got = got.cpu() if isinstance(got, torch.Tensor) else got
+        expected = _my_chunk(torch.stack(grads).mean(0))
+        failure = None
+        try:
+            if not isinstance(got, torch.Tensor):
+                raise ExerciseFailed(f"gradient of shape {shape}: return a tensor, got {type(got).__name__}")
+            if got.dim() != 1:
+                raise ExerciseFailed(
+                    f"gradient of shape {shape}: return this rank's flat 1-D chunk, got {tuple(got.shape)}"
+                )
+            what = f"gradient of shape {shape} on {n} ranks, this rank's chunk of the average"
+            expect_equal(what, got, expected, atol=1e-5)
+        except ExerciseFailed as wrong:
+            failure = wrong
+        # every rank stops at the same shape: a rank that went on alone would wait for the others forever
+        wrong_somewhere = torch.tensor([float(failure is not None)], device=mine.device)
+        dist.all_reduce(wrong_somewhere)
+        if failure is not None:
+            raise failure
+        if wrong_somewhere.item():
+            raise ExerciseFailed(f"gradient of shape {shape}: right on this rank, wrong on another")

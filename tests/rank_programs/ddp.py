@@ -113,6 +113,50 @@ def hook_local_only(state, bucket):
     return future
 
 
+def accumulate_never_syncs(model, micro_batches, optimizer):  # the notebook's broken function
+    optimizer.zero_grad(set_to_none=True)
+    for x, y in micro_batches:
+        with model.no_sync():
+            (torch.nn.functional.mse_loss(model(x), y) / len(micro_batches)).backward()
+    optimizer.step()
+
+
+def accumulate_syncs_every_micro_batch(model, micro_batches, optimizer):  # right numbers, twice the traffic
+    optimizer.zero_grad(set_to_none=True)
+    for x, y in micro_batches:
+        (torch.nn.functional.mse_loss(model(x), y) / len(micro_batches)).backward()
+    optimizer.step()
+
+
+def accumulate_no_sync_around_backward_only(model, micro_batches, optimizer):  # forward decides: syncs twice
+    optimizer.zero_grad(set_to_none=True)
+    for x, y in micro_batches:
+        loss = torch.nn.functional.mse_loss(model(x), y) / len(micro_batches)
+        with model.no_sync():
+            loss.backward()
+    optimizer.step()
+
+
+def accumulate_sums_losses(model, micro_batches, optimizer):  # forgets to divide by the micro-batch count
+    optimizer.zero_grad(set_to_none=True)
+    for i, (x, y) in enumerate(micro_batches):
+        if i < len(micro_batches) - 1:
+            with model.no_sync():
+                torch.nn.functional.mse_loss(model(x), y).backward()
+        else:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+    optimizer.step()
+
+
+def solutions() -> dict:
+    """notebooks/solutions/02_ddp.py (the prediction needs the notebook's NPEERS and big_bytes)."""
+    import runpy
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "notebooks" / "solutions" / "02_ddp.py"
+    return runpy.run_path(str(path), init_globals={"NPEERS": 2, "big_bytes": 1})
+
+
 def hooks_snapshot_and_exercises(rank: int, world_size: int, snapshot_path: str) -> dict:
     """Every comm hook's bytes, gradient error and loss; a snapshot round trip; the checkers."""
     from course_lib import compare, ddp
@@ -145,9 +189,20 @@ def hooks_snapshot_and_exercises(rank: int, world_size: int, snapshot_path: str)
 
     # exercise checkers: the reference passes, wrong answers fail with a message naming the step
     verdicts = {}
+    solution = solutions()
     for checker, candidates in (
-        (ddp.check_average_gradient, (ddp.solution_average_gradient, sum_without_average, local_only)),
-        (ddp.check_mean_allreduce_hook, (ddp.solution_mean_allreduce_hook, hook_sum_only, hook_local_only)),
+        (ddp.check_average_gradient, (solution["average_gradient"], sum_without_average, local_only)),
+        (ddp.check_mean_allreduce_hook, (solution["mean_allreduce_hook"], hook_sum_only, hook_local_only)),
+        (
+            ddp.check_accumulate_step,
+            (
+                solution["accumulate_step"],
+                accumulate_never_syncs,
+                accumulate_syncs_every_micro_batch,
+                accumulate_no_sync_around_backward_only,
+                accumulate_sums_losses,
+            ),
+        ),
     ):
         for candidate in candidates:
             try:

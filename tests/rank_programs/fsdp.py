@@ -20,6 +20,15 @@ OPTIMIZERS: dict[str, tuple[Callable, float | None, int]] = {  # name: (make, cl
 }
 
 
+def _solutions() -> dict:
+    """notebooks/solutions/03_fsdp2.py's functions (the prediction needs the notebook's P)."""
+    import runpy
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "notebooks" / "solutions" / "03_fsdp2.py"
+    return runpy.run_path(str(path), init_globals={"P": 1.0})
+
+
 def equality(rank: int, world_size: int) -> dict:
     """Every stage and fully_shard against one process, for both optimizers; collective counts and
     bytes held against the formulas; sub-groups; the exercise checker against wrong answers."""
@@ -108,8 +117,10 @@ def equality(rank: int, world_size: int) -> dict:
                 f"sub-group of {n}: shard size",
             )
 
-    # the exercise checker, in-process: the solution passes, wrong answers fail
-    fsdp.check_shard_with_adam_state(fsdp.solution_shard_with_adam_state)
+    # the exercise checkers, in-process: the solutions pass, wrong answers fail
+    solution = _solutions()
+    fsdp.check_shard_with_adam_state(solution["shard_with_adam_state"])
+    fsdp.check_reduce_gradient(solution["reduce_gradient"])
 
     def split(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return torch.tensor_split(t.reshape(-1), world_size)
@@ -131,4 +142,43 @@ def equality(rank: int, world_size: int) -> dict:
             wrong_failed[what] = False
         except ExerciseFailed:
             wrong_failed[what] = True
-    return {"problems": problems, "wrong_failed": wrong_failed}
+    reduce_messages = {}
+    for fn in (reduce_own_chunk, reduce_local_only, reduce_sum_not_mean, reduce_rank0_chunk, reduce_not_flat):
+        try:
+            fsdp.check_reduce_gradient(fn)
+            reduce_messages[fn.__name__] = "passed"
+        except ExerciseFailed as failure:
+            reduce_messages[fn.__name__] = str(failure)
+    return {"problems": problems, "wrong_failed": wrong_failed, "reduce_messages": reduce_messages}
+
+
+# ---- wrong answers to the diagnose exercise (reduce_gradient) -------------------------------------
+
+
+def reduce_own_chunk(full_grad: torch.Tensor) -> torch.Tensor:  # the notebook's broken function
+    n = dist.get_world_size()
+    shard = torch.tensor_split(full_grad.reshape(-1), n)[dist.get_rank()].clone()
+    dist.all_reduce(shard)
+    return shard / n
+
+
+def reduce_local_only(full_grad: torch.Tensor) -> torch.Tensor:  # no communication at all
+    return torch.tensor_split(full_grad.reshape(-1), dist.get_world_size())[dist.get_rank()].clone()
+
+
+def reduce_sum_not_mean(full_grad: torch.Tensor) -> torch.Tensor:
+    total = full_grad.reshape(-1).clone()
+    dist.all_reduce(total)
+    return torch.tensor_split(total, dist.get_world_size())[dist.get_rank()]
+
+
+def reduce_rank0_chunk(full_grad: torch.Tensor) -> torch.Tensor:
+    total = full_grad.reshape(-1).clone()
+    dist.all_reduce(total)
+    return torch.tensor_split(total / dist.get_world_size(), dist.get_world_size())[0]
+
+
+def reduce_not_flat(full_grad: torch.Tensor) -> torch.Tensor:
+    total = full_grad.clone()
+    dist.all_reduce(total)
+    return torch.tensor_split(total / dist.get_world_size(), dist.get_world_size())[dist.get_rank()]

@@ -1,0 +1,29 @@
+# Solutions to notebook 03's exercises. In the notebook: %load solutions/03_fsdp2.py
+# (the functions import what they use: `check` sends their source to the ranks).
+
+
+# Exercise 1 (predict): HSDP's bytes sent per rank per step on the 2 x 2 mesh, ring collectives.
+# Shard group of s = 2: all-gather twice (forward, backward) and reduce-scatter once, (s-1)/s x P each;
+# replicate group of r = 2: all-reduce of this rank's P/s gradient shard, 2(r-1)/r x P/s.
+predicted_hsdp_bytes = 3 * (2 - 1) / 2 * P + 2 * (2 - 1) / 2 * P / 2  # = 2 P  # noqa: F821 (P: the notebook's)
+
+
+# Exercise 2 (implement): this rank's flat tensor_split chunk of a parameter and of its Adam state.
+def shard_with_adam_state(param, exp_avg, exp_avg_sq):
+    import torch
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    return tuple(torch.tensor_split(t.reshape(-1), n)[rank].clone() for t in (param, exp_avg, exp_avg_sq))
+
+
+# Exercise 3 (diagnose): the broken version all-reduced each rank's *own* chunk, so rank r added its
+# chunk r to the other ranks' different chunks (and hung or failed when chunk sizes differ).
+# Reduce the whole gradient, then cut: the chunk of the sum is the sum of the chunks.
+def reduce_gradient(full_grad):
+    import torch
+    import torch.distributed as dist
+
+    total = full_grad.reshape(-1).clone()
+    dist.all_reduce(total)
+    return torch.tensor_split(total / dist.get_world_size(), dist.get_world_size())[dist.get_rank()]
