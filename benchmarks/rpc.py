@@ -52,11 +52,14 @@ def main() -> None:
     latency, wall = result.values["latency"][0], result.values["server_wall"][0]
     alpha, beta = rpc_lib.fit_latency_model(latency)
     print(f"rpc_sync(echo) round trip, {args.nproc} processes, median of {2 * args.repeats + 1} alternating rounds")
-    print(f"fit t(n) = alpha + 2n/beta: alpha = {alpha * 1e6:.0f} us, beta = {beta / 1e9:.2f} GB/s")
+    print(
+        f"fit t(n) = alpha + 2n*beta: alpha = {alpha * 1e6:.0f} us, "
+        f"beta = {beta * 1e9:.3f} ns/byte (bandwidth 1/beta = {1 / beta / 1e9:.2f} GB/s)"
+    )
     print(f"{'bytes':>9} {'measured us':>12} {'model us':>9} {'MB/s both ways':>15}")
     for n in sorted(latency):
         print(
-            f"{n:>9} {latency[n] * 1e6:>12.0f} {(alpha + 2 * n / beta) * 1e6:>9.0f} {2 * n / latency[n] / 1e6:>15.3g}"
+            f"{n:>9} {latency[n] * 1e6:>12.0f} {(alpha + 2 * n * beta) * 1e6:>9.0f} {2 * n / latency[n] / 1e6:>15.3g}"
         )
     updates = args.trainers * args.steps
     sync, lock = statistics.median(wall["sync"]), statistics.median(wall["async"])

@@ -1,18 +1,21 @@
 """course_lib.rpc: the parameter server against data-parallel training, error cases, distributed autograd,
 the exercise checker. Real gloo/TensorPipe runs on 2-4 processes."""
 
+import runpy
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 from course_lib import rpc as rpc_lib
 from course_lib.compare import max_difference
-from course_lib.exercises import check
+from course_lib.exercises import check, check_prediction
 from course_lib.launch import launch
 from course_lib.rpc.agent import _is_torch_internal_backend_notice
 from tests.rank_programs import rpc as programs
 
+SOLUTIONS = Path(__file__).resolve().parents[1] / "notebooks" / "solutions" / "08_rpc.py"
 QUIET = dict(write=lambda text, stream: None)
 STEPS = 20
 
@@ -45,10 +48,10 @@ def test_trainer_batches_are_disjoint_slices_of_one_global_batch():
 
 
 def test_latency_fit_recovers_alpha_and_beta():
-    alpha, beta = 2e-4, 3e9
-    latency = {n: alpha + 2 * n / beta for n in (8, 512, 32768, 4194304)}
+    alpha, beta = 2e-4, 1 / 3e9  # beta in seconds per byte, as notebook 01 defines it
+    latency = {n: alpha + 2 * n * beta for n in (8, 512, 32768, 4194304)}
     fit_alpha, fit_beta = rpc_lib.fit_latency_model(latency)
-    assert fit_alpha == pytest.approx(alpha + 16 / beta)
+    assert fit_alpha == pytest.approx(alpha + 16 * beta)
     assert fit_beta == pytest.approx(beta, rel=1e-4)
 
 
@@ -79,6 +82,8 @@ def test_parameter_server_sync_equals_data_parallel_async_converges(nproc):
         assert max_difference(sync["parameters"], reference) < 1e-5, (nproc, n_trainers)
         assert sync["losses"] == pytest.approx(reference_losses, abs=1e-5)
         assert sync["losses"][-1] < sync["losses"][0]
+        theta = sum(p.numel() for p in rpc_lib.make_model().parameters())
+        assert sync["values_moved"] == runs["async", n_trainers]["values_moved"] == 2 * n_trainers * theta * STEPS
         initial = max_difference(reference, rpc_lib.snapshot(rpc_lib.make_model()))
         assert initial > 1e-2  # the comparison is not trivially true: training moved the parameters
 
@@ -140,15 +145,11 @@ def test_distributed_autograd_and_optimizer_match_local_training(nproc):
     assert "Warning" not in stderr and "TorchScript" not in stderr, stderr
 
 
-# ---- exercise checker ----------------------------------------------------------------------
+# ---- exercises: the solutions of notebooks/solutions/08_rpc.py pass, wrong answers fail -------------------
 
 
-def add_on_owner(counter_rref, amount):
-    counter = counter_rref.local_value()
-    with counter.lock:
-        total = counter.read() + amount
-        counter.write(total)
-    return total
+def solutions(nproc=2):
+    return runpy.run_path(str(SOLUTIONS), init_globals={"NPROC": nproc})
 
 
 def add_without_lock(counter_rref, amount):
@@ -165,27 +166,95 @@ def add_returning_amount(counter_rref, amount):
     return amount
 
 
-def test_counter_checker_accepts_the_reference(capsys):
-    assert check(add_on_owner, rpc_lib.check_counter, nproc=3, backend="gloo") is True
-    assert "correct on 3 ranks" in capsys.readouterr().out
+def join_round_replacing_the_future(rendezvous, value):  # the broken function the notebook shows
+    import torch
+
+    with rendezvous.lock:
+        rendezvous.values.append(value)
+        if len(rendezvous.values) == rendezvous.expected:
+            rendezvous.round_done = torch.futures.Future()
+            rendezvous.round_done.set_result(sorted(rendezvous.values))
+            rendezvous.values = []
+    return rendezvous.round_done
+
+
+def join_round_never_reset(rendezvous, value):
+    with rendezvous.lock:
+        rendezvous.values.append(value)
+        this_round = rendezvous.round_done
+        if len(rendezvous.values) == rendezvous.expected:
+            this_round.set_result(sorted(rendezvous.values))  # the next round gets this finished future
+    return this_round
+
+
+def join_round_alone(rendezvous, value):
+    import torch
+
+    future = torch.futures.Future()
+    future.set_result([value])  # no waiting for the others
+    return future
+
+
+def join_round_waiting_in_the_thread(rendezvous, value):
+    import torch
+
+    with rendezvous.lock:
+        rendezvous.values.append(value)
+        this_round = rendezvous.round_done
+        if len(rendezvous.values) == rendezvous.expected:
+            values, rendezvous.values = sorted(rendezvous.values), []
+            rendezvous.round_done = torch.futures.Future()
+            this_round.set_result(values)
+    return this_round.wait()  # holds an RPC thread per waiting caller, and returns a list, not the future
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_reference_solutions_pass(nproc, capsys):
+    solved = solutions()
+    assert check(solved["add_on_owner"], rpc_lib.check_counter, nproc=nproc, backend="gloo") is True
+    assert check(solved["join_round"], rpc_lib.check_join_round, nproc=nproc, backend="gloo") is True
+    assert capsys.readouterr().out.count(f"correct on {nproc} ranks") == 2
 
 
 @pytest.mark.parametrize(
-    "wrong, says",
+    "wrong, checker, says",
     [
-        (add_without_lock, "total expected 8, got"),
-        (add_returning_amount, "each call must return the total"),
+        (add_without_lock, rpc_lib.check_counter, "total expected 8, got"),
+        (add_returning_amount, rpc_lib.check_counter, "each call must return the total"),
+        (join_round_replacing_the_future, rpc_lib.check_join_round, "was never completed"),
+        (join_round_never_reset, rpc_lib.check_join_round, "round 1: expected the 2 values of the round, sorted"),
+        (join_round_alone, rpc_lib.check_join_round, "round 0: expected the 2 values of the round, sorted"),
+        (join_round_waiting_in_the_thread, rpc_lib.check_join_round, "must return a torch.futures.Future, got list"),
     ],
 )
-def test_counter_checker_rejects_wrong_answers(wrong, says, capsys):
-    assert check(wrong, rpc_lib.check_counter, nproc=2, backend="gloo") is False
+def test_checkers_reject_wrong_answers(wrong, checker, says, capsys):
+    assert check(wrong, checker, nproc=2, backend="gloo", timeout=90) is False
     out = capsys.readouterr().out
     assert "rank 0" in out and says in out, out
 
 
-def test_counter_checker_reports_a_stub(capsys):
+def test_stubs_report_not_attempted(capsys):
     def add_on_owner(counter_rref, amount):
         raise NotImplementedError
 
+    def join_round(rendezvous, value):
+        raise NotImplementedError  # your code here
+
     assert check(add_on_owner, rpc_lib.check_counter, nproc=2) is None
-    assert "not attempted yet" in capsys.readouterr().out
+    assert check(join_round, rpc_lib.check_join_round, nproc=2) is None
+    assert capsys.readouterr().out.count("not attempted yet") == 2
+
+
+def test_server_values_prediction(capsys):
+    theta = sum(p.numel() for p in rpc_lib.make_model().parameters())
+    measured = 2 * 3 * theta  # what run_parameter_server counts per sync step with 3 trainers (test above)
+    assert check_prediction("values", solutions()["predicted_server_values"], measured, rtol=0.01)
+    wrong = {
+        "a ring all-reduce's 2 (N-1)/N, N = 4 processes": 2 * 3 / 4 * theta,
+        "one way only": 3 * theta,
+        "N = 4 processes instead of N - 1 = 3 trainers": 2 * 4 * theta,
+        "bytes instead of values": 4 * 2 * 3 * theta,
+    }
+    for why, value in wrong.items():
+        assert check_prediction("values", value, measured, rtol=0.01) is False, why
+    assert capsys.readouterr().out.count("✗") == len(wrong)

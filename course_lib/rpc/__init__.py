@@ -6,11 +6,11 @@
 - :mod:`.parameter_server`: the batching (sync) and lock-per-update (async) servers and their driver;
 - :mod:`.distributed_autograd`: a forward across three workers, backward and step on every owner;
 - :mod:`.latency`: round trips timed on a worker, the alpha-beta fit;
-- :mod:`.checkers`: the exercise (a counter behind an RRef) and its checker.
+- :mod:`.checkers`: the exercises' checkers (a counter behind an RRef; a rendezvous on its owner).
 """
 
 from course_lib.rpc.agent import SERVER, start, worker_name
-from course_lib.rpc.checkers import Counter, check_counter
+from course_lib.rpc.checkers import Counter, Rendezvous, check_counter, check_join_round
 from course_lib.rpc.distributed_autograd import distributed_training_step, local_training_step, three_stage_model
 from course_lib.rpc.latency import fit_latency_model, rpc_latency
 from course_lib.rpc.parameter_server import (
@@ -36,9 +36,11 @@ __all__ = [
     "Counter",
     "LockingParameterServer",
     "RemoteModel",
+    "Rendezvous",
     "add",
     "captured_stderr",
     "check_counter",
+    "check_join_round",
     "data_parallel_reference",
     "distributed_training_step",
     "fail",

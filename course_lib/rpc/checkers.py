@@ -1,6 +1,7 @@
-"""The exercise of notebook 08: a counter held behind an RRef, updated by every trainer.
+"""The exercises of notebook 08, checked on the workers: a counter held behind an RRef, updated by every
+trainer (implement), and a rendezvous whose round future is completed for every caller (diagnose).
 
-The checker and the functions it sends to the workers; :func:`add_on_owner` is the reference solution.
+The checkers and the functions they send to the workers; the solutions are in notebooks/solutions/08_rpc.py.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
@@ -33,15 +35,6 @@ class Counter:
 
     def write(self, value: int) -> None:
         self.value = value
-
-
-def add_on_owner(counter_rref: rpc.RRef, amount: int) -> int:
-    """Reference solution: runs on the counter's owner; returns the total after this update."""
-    counter = counter_rref.local_value()
-    with counter.lock:
-        total = counter.read() + amount
-        counter.write(total)
-    return total
 
 
 def _read_counter(counter_rref: rpc.RRef) -> int:
@@ -86,3 +79,110 @@ def _trainer_counts(counter_rref: rpc.RRef, add_fn: AddFn, trainer_rank: int, ca
     owner = counter_rref.owner()
     futures = [rpc.rpc_async(owner, add_fn, args=(counter_rref, trainer_rank)) for _ in range(calls)]
     return [f.wait() for f in futures]
+
+
+# ---- diagnose: a rendezvous on the owner ------------------------------------------------------------------
+
+JOIN_TIMEOUT_S = 8.0  # a caller whose future is never completed fails after this, instead of hanging
+
+
+class Rendezvous:
+    """State on the owner: `expected` calls make a round; each caller's reply is the round's sorted values."""
+
+    def __init__(self, expected: int):
+        self.expected = expected
+        self.lock = threading.Lock()
+        self.values: list[int] = []
+        self.round_done: torch.futures.Future = torch.futures.Future()
+        self.handed_out: list[torch.futures.Future] = []  # every future returned, completed at the end
+
+
+JoinFn = Callable[[Rendezvous, int], torch.futures.Future]  # join_fn(rendezvous, value) -> future of the round
+
+
+@rpc.functions.async_execution
+def _join_on_owner(rendezvous_rref: rpc.RRef, join_fn: JoinFn, value: int) -> torch.futures.Future:
+    """Runs on the owner, on an RPC thread: the reply is sent when the learner's future completes."""
+    rendezvous = rendezvous_rref.local_value()
+    future = join_fn(rendezvous, value)
+    if not isinstance(future, torch.futures.Future):
+        answer: torch.futures.Future = torch.futures.Future()
+        answer.set_result(("not a future", type(future).__name__))
+        return answer
+    with rendezvous.lock:
+        rendezvous.handed_out.append(future)
+    return future
+
+
+def _trainer_joins(rendezvous_rref: rpc.RRef, join_fn: JoinFn, values: list[list[int]]) -> list[list[object]]:
+    """Runs on a trainer: per round, all its values join at once; stops at the first reply that never came."""
+    owner = rendezvous_rref.owner()
+    replies: list[list[object]] = []
+    for round_values in values:
+        futures = [
+            rpc.rpc_async(owner, _join_on_owner, args=(rendezvous_rref, join_fn, v), timeout=JOIN_TIMEOUT_S)
+            for v in round_values
+        ]
+        got: list[object] = []
+        for future in futures:
+            try:
+                got.append(future.wait())
+            except RuntimeError as error:
+                if "timeout" not in str(error):
+                    raise
+                got.append("timeout")
+        replies.append(got)
+        if "timeout" in got:
+            break
+    return replies
+
+
+def check_join_round(join_fn: JoinFn, rounds: int = 2, calls_per_trainer: int = 2) -> None:
+    """Checker: every trainer joins `calls_per_trainer` values at once, for `rounds` rounds in a row; every
+    call must get the sorted values of its round, from all trainers (values only their trainer had)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    start(rank, world_size)
+    problem = None
+    try:
+        if rank == 0:
+            salt = int(torch.randint(1000, 10**6, ()))  # the values are unknown before the run
+            values = {
+                r: [[salt + 1000 * k + 10 * r + c for c in range(calls_per_trainer)] for k in range(rounds)]
+                for r in range(1, world_size)
+            }
+            rendezvous = Rendezvous(expected=calls_per_trainer * (world_size - 1))
+            rendezvous_rref = rpc.RRef(rendezvous)
+            futures = {
+                r: rpc.rpc_async(worker_name(r), _trainer_joins, args=(rendezvous_rref, join_fn, values[r]))
+                for r in values
+            }
+            replies = {r: f.wait() for r, f in futures.items()}
+            with rendezvous.lock:  # answer whatever is still pending, so that shutdown does not wait for it
+                for future in [*rendezvous.handed_out, rendezvous.round_done]:
+                    if not future.done():
+                        future.set_result(None)
+            problem = _first_wrong_reply(replies, values, rounds)
+    finally:
+        rpc.shutdown()
+    if problem:
+        raise ExerciseFailed(problem)
+
+
+def _first_wrong_reply(replies: dict[int, list[list[object]]], values: dict, rounds: int) -> str | None:
+    for k in range(rounds):
+        expected = sorted(v for r in values for v in values[r][k])
+        for r, per_round in replies.items():
+            got = per_round[k] if k < len(per_round) else []
+            for reply in got:
+                if reply == "timeout":
+                    return (
+                        f"trainer{r}, round {k}: no reply within {JOIN_TIMEOUT_S:.0f} s: the future your function "
+                        f"returned to this caller was never completed"
+                    )
+                if isinstance(reply, tuple) and reply[:1] == ("not a future",):
+                    return f"join_round must return a torch.futures.Future, got {reply[1]}"
+                if reply != expected:
+                    return (
+                        f"trainer{r}, round {k}: expected the {len(expected)} values of the round, sorted, got {reply}"
+                    )
+    return None

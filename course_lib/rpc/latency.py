@@ -29,13 +29,13 @@ def rpc_latency(peer: str, sizes_bytes: list[int], repeats: int = 7, warmup: int
 
 
 def fit_latency_model(latency: dict[int, float]) -> tuple[float, float]:
-    """alpha (s) and beta (bytes/s) of t(n) = alpha + 2n/beta (2n: the tensor travels there and back).
+    """alpha (s) and beta (s per byte) of t(n) = alpha + 2n*beta, notebook 01's notation (2n: there and back).
 
     alpha: the smallest round trip measured (a few bytes cost nothing else);
-    beta: from the largest size, where the bandwidth term dominates.
+    beta: from the largest size, where the per-byte term dominates. 1/beta is the bandwidth (bytes/s).
     """
     sizes = sorted(latency)
     alpha = min(latency.values())
     largest = sizes[-1]
-    beta = 2.0 * largest / max(latency[largest] - alpha, 1e-9)
+    beta = max(latency[largest] - alpha, 1e-12) / (2.0 * largest)
     return alpha, beta

@@ -47,6 +47,7 @@ class BatchingParameterServer:
             torch.futures.Future()
         )  # completed when the current round steps
         self.steps = 0
+        self.values_moved = 0  # gradient values received + parameter values sent back, over the run
 
     def parameters(self) -> list[torch.Tensor]:
         with self.lock:
@@ -58,11 +59,14 @@ class BatchingParameterServer:
         self = server_rref.local_value()
         with self.lock:
             self.round_gradients[trainer] = gradients
+            self.values_moved += _values(gradients)
             this_round = self.next_parameters  # taken under the lock: the future of *this* round
             if len(self.round_gradients) == self.n_trainers:
                 self._average_and_step()
                 self.next_parameters = torch.futures.Future()  # before completing: late callers get the next one
-                this_round.set_result(snapshot(self.model))
+                reply = snapshot(self.model)
+                self.values_moved += self.n_trainers * _values(reply)  # one reply per waiting trainer
+                this_round.set_result(reply)
         return this_round
 
     def _average_and_step(self) -> None:
@@ -86,6 +90,7 @@ class LockingParameterServer:
         self.lock = threading.Lock()
         self.version = 0  # optimizer steps taken so far
         self.staleness: list[int] = []
+        self.values_moved = 0  # gradient values received + parameter values sent back, over the run
 
     def parameters(self) -> tuple[int, list[torch.Tensor]]:
         with self.lock:
@@ -102,7 +107,13 @@ class LockingParameterServer:
                 p.grad = g
             self.optimizer.step()
             self.version += 1
-            return self.version, snapshot(self.model)
+            reply = snapshot(self.model)
+            self.values_moved += _values(gradients) + _values(reply)
+            return self.version, reply
+
+
+def _values(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() for t in tensors)
 
 
 SERVERS: dict[str, type[BatchingParameterServer] | type[LockingParameterServer]] = {
@@ -147,7 +158,7 @@ def run_parameter_server(
     """Runs on the server: build the server object, start every trainer through rpc_async, wait.
 
     Returns the per-step loss (mean over trainers), the final parameters, the staleness
-    histogram (async) and the wall time.
+    histogram (async), the values the server received and sent, and the wall time.
     """
     server = SERVERS[mode](n_trainers, lr)
     server_rref = rpc.RRef(server)  # owned here; trainers reach it through the RRef
@@ -168,6 +179,7 @@ def run_parameter_server(
         "losses": losses,
         "parameters": snapshot(server.model),
         "staleness": staleness,
+        "values_moved": server.values_moved,
         "wall_s": wall_s,
         "updates": n_trainers * steps,
     }
