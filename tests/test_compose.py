@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import re
+import runpy
+from pathlib import Path
 
 import pytest
 import torch
 
 from course_lib import compose
 from course_lib.compare import max_difference
-from course_lib.exercises import check
+from course_lib.exercises import check, check_prediction
+
+SOLUTIONS = runpy.run_path(str(Path(__file__).parents[1] / "notebooks/solutions/09_composing_parallelism.py"))
 
 
 def test_rank_grid_matches_coordinates_and_keeps_tp_innermost():
@@ -37,7 +41,16 @@ def test_planner_reproduces_zero3_states_and_the_layout_trade_offs():
         r = compose.plan(llama, dp, tp, pp)
         assert r["params_GB"] + r["grads_GB"] + r["optimizer_GB"] == pytest.approx(70e9 * 16 / 64 / 1e9)
     flat, piped = compose.plan(llama, 16, 4, 1), compose.plan(llama, 8, 4, 2)
-    assert piped["dp_comm_GB"] < flat["dp_comm_GB"] / 2 + 1e-9 and piped["bubble"] > flat["bubble"] == 0
+    assert flat["microbatches"] == 64 and piped["microbatches"] == 128 and piped["bubble"] > flat["bubble"] == 0
+    # ZeRO-3 gathers twice and reduce-scatters once per micro-batch: 64 x the old once-per-step count
+    once = 3 * 15 / 16 * 70e9 / 4 * 2 / 1e9
+    assert flat["dp_comm_GB"] == pytest.approx(64 * once)
+    assert piped["dp_comm_GB"] > 0.9 * flat["dp_comm_GB"]  # pp=2 halves the parameters but doubles the micro-batches
+    kept = compose.plan(
+        llama, 16, 4, 1, reshard_after_forward=False, reshard_after_backward=False, defer_grad_sync=True
+    )
+    assert kept["dp_comm_GB"] == pytest.approx(2 * 15 / 16 * 70e9 / 4 * 2 / 1e9) and kept["memory_GB"] > 80
+    assert compose.step_time(flat) > flat["compute_s"] + flat["tp_s"]  # the DP traffic outlasts the compute
     assert compose.plan(llama, 16, 4, 1)["activations_GB"] == pytest.approx(
         compose.plan(llama, 32, 2, 1)["activations_GB"] / 2
     )
@@ -47,13 +60,139 @@ def test_planner_reproduces_zero3_states_and_the_layout_trade_offs():
         compose.plan(llama, 4, 16, 1)
 
 
+def test_fsdp_collectives_for_each_reshard_and_defer_choice():
+    f = compose.fsdp_collectives
+    assert f(3) == {"all_gather": 6, "reduce_scatter": 3, "all_reduce": 0}
+    assert f(3, defer_grad_sync=True)["reduce_scatter"] == 1
+    assert f(3, reshard_after_forward=False)["all_gather"] == 3
+    assert f(3, reshard_after_backward=False)["all_gather"] == 4  # what torch.distributed.pipelining does
+    assert f(3, reshard_after_forward=False, reshard_after_backward=False)["all_gather"] == 1
+    assert f(3, zero_stage=0, defer_grad_sync=True) == {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 1}
+    assert f(3, zero_stage=2) == {"all_gather": 1, "reduce_scatter": 3, "all_reduce": 0}
+
+
+def test_traffic_prediction_for_the_notebooks_model_counts_every_collective():
+    # 2D, dp=2 x tp=2, 3 micro-batches of 2: per block 6 all-gathers + 3 reduce-scatters of 14280 fp32 values
+    # (its 28272 parameters over tp, plus the norms and row-parallel biases that tp replicates), 18 all-reduces
+    # of a (2, 6, 48) activation
+    got = compose.predicted_traffic(4, dp=2, tp=2, pp=1, n_mb=3, global_batch=12)
+    assert got["tp"] == 4 * 18 * (2 * 6 * 48 * 4)
+    assert got["dp"] == pytest.approx(4 * 9 * 0.5 * 14280 * 4, rel=0.02)
+    error, line = compose.compare_traffic("x", got, {"tp": got["tp"], "dp": got["dp"] * 1.01, "pp": 0.0})
+    assert error == pytest.approx(0.01 / 1.01) and "max error 1.0%" in line
+    assert compose.compare_traffic("x", {**got, "pp": 5.0}, {**got, "pp": 0.0})[0] == 1.0
+
+
+def test_prediction_exercise_accepts_the_formula_and_rejects_the_usual_mistakes(capsys):
+    measured = (6 + 2) * 0.5 * 14280 * 4  # what the 3D cell counts: 2 blocks, 6 gathers + 2 reductions in all
+    assert check_prediction("FSDP bytes", SOLUTIONS["predicted_dp_bytes_3d"], measured, rtol=0.03) is True
+    per_call = 0.5 * 28272 * 4
+    wrong = {
+        "once per step (gather, gather, reduce)": 3 * per_call,
+        "2 gathers + 1 reduction per micro-batch": 6 * per_call,
+        "every micro-batch reduce-scatters": 5 * per_call,
+        "all the stage's parameters, not 1/tp": 4 * 2 * per_call,
+        "2 bytes a value (bf16), not the ranks' fp32": 4 * per_call / 2,
+    }
+    for name, value in wrong.items():
+        assert check_prediction("FSDP bytes", value, measured, rtol=0.03) is False, name
+    assert "too" in capsys.readouterr().out
+
+
+def plain_accumulation(model, micro_batches):  # every micro-batch reduce-scatters
+    import torch
+
+    for x, y in micro_batches:
+        (torch.nn.functional.mse_loss(model(x), y) / len(micro_batches)).backward()
+
+
+def never_syncs(model, micro_batches):  # the sync never comes back on
+    import torch
+
+    model.set_requires_gradient_sync(False)
+    for x, y in micro_batches:
+        (torch.nn.functional.mse_loss(model(x), y) / len(micro_batches)).backward()
+
+
+def unscaled(model, micro_batches):  # sums the micro-batches' losses instead of averaging them
+    import torch
+
+    for i, (x, y) in enumerate(micro_batches):
+        model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+
+
+def one_big_batch(model, micro_batches):  # the micro-batches concatenated: one forward, one backward
+    import torch
+
+    x = torch.cat([m[0] for m in micro_batches])
+    y = torch.cat([m[1] for m in micro_batches])
+    torch.nn.functional.mse_loss(model(x), y).backward()
+
+
+def test_accumulate_checker_accepts_the_solution_and_rejects_wrong_ones(capsys):
+    assert check(SOLUTIONS["accumulate"], compose.check_accumulate, nproc=2, backend="gloo") is True
+    wrong = {
+        plain_accumulation: "gradients reduce-scattered 4 times, expected 2",
+        never_syncs: "gradients reduce-scattered 0 times, expected 2",
+        unscaled: "its norm is 2x the expected",
+        one_big_batch: "parameters gathered 4 times, expected 8",
+    }
+    for fn, message in wrong.items():
+        capsys.readouterr()
+        assert check(fn, compose.check_accumulate, nproc=2, backend="gloo") is False, fn.__name__
+        assert message in capsys.readouterr().out, fn.__name__
+
+
+def split_by_size(x, y, micro_batch_size):  # the notebook's broken version
+    return list(zip(x.split(micro_batch_size), y.split(micro_batch_size)))
+
+
+def one_row_each(x, y, micro_batch_size):  # agreed, but as many micro-batches as rows: wasteful
+    import torch
+    import torch.distributed as dist
+
+    rows = torch.tensor([len(x)])
+    dist.all_reduce(rows, op=dist.ReduceOp.MAX)
+    return list(zip(x.tensor_split(int(rows)), y.tensor_split(int(rows))))
+
+
+def local_count(x, y, micro_batch_size):  # its own count, with tensor_split: still desynced
+    n = -(-len(x) // micro_batch_size)
+    return list(zip(x.tensor_split(n), y.tensor_split(n)))
+
+
+def shuffled(x, y, micro_batch_size):  # agreed count, but the rows reversed
+    import torch
+    import torch.distributed as dist
+
+    rows = torch.tensor([len(x)])
+    dist.all_reduce(rows, op=dist.ReduceOp.MAX)
+    n = -(-int(rows) // micro_batch_size)
+    return list(zip(x.flip(0).tensor_split(n), y.flip(0).tensor_split(n)))
+
+
+def test_micro_batches_checker_accepts_the_fix_and_catches_the_desync(capsys):
+    assert check(SOLUTIONS["make_micro_batches"], compose.check_micro_batches, nproc=3, backend="gloo") is True
+    wrong = {
+        split_by_size: "micro-batches, rank",
+        local_count: "and FSDP hangs",
+        one_row_each: "2 are enough",
+        shuffled: "concatenated",
+    }
+    for fn, message in wrong.items():
+        capsys.readouterr()
+        assert check(fn, compose.check_micro_batches, nproc=3, backend="gloo", timeout=60) is False, fn.__name__
+        assert message in capsys.readouterr().out, fn.__name__
+
+
 def test_coordinates_exercise_checker_accepts_the_solution_and_names_wrong_ranks(capsys):
     def my_coordinates(rank, pp, dp, tp):  # dp and tp swapped: right only when they are equal
         return rank // (dp * tp), rank % dp, rank // dp % tp
 
     # 4 ranks: a full 2 x 2 grid; 5 (prime): the (1, 2, 2) mesh on the first 4 ranks still catches the swap.
     for nproc in (5, 4):
-        assert check(compose.solution_my_coordinates, compose.check_my_coordinates, nproc=nproc, backend="gloo") is True
+        assert check(SOLUTIONS["my_coordinates"], compose.check_my_coordinates, nproc=nproc, backend="gloo") is True
         assert check(my_coordinates, compose.check_my_coordinates, nproc=nproc, backend="gloo") is False
         said = capsys.readouterr().out.splitlines()[-1]
         # whichever wrong rank reports first (1 or 2), its coordinate and both values are named correctly
@@ -61,7 +200,7 @@ def test_coordinates_exercise_checker_accepts_the_solution_and_names_wrong_ranks
         assert found, said
         rank, same_rank, index, expected, got = map(int, found.groups())
         assert rank == same_rank and rank in (1, 2), said
-        assert expected == compose.solution_my_coordinates(rank, 1, 2, 2)[index], said
+        assert expected == SOLUTIONS["my_coordinates"](rank, 1, 2, 2)[index], said
         assert got == my_coordinates(rank, 1, 2, 2)[index] != expected, said
 
 
@@ -78,8 +217,8 @@ def test_shard_loss_makes_uneven_shares_average_to_the_global_mean():
 def test_planner_sends_dp_traffic_over_the_clusters_inter_node_links():
     llama = compose.LLAMA_70B
     fast, slow = compose.Cluster(inter_node_GBps=400.0), compose.Cluster(inter_node_GBps=25.0)
-    inside = {c: compose.plan(llama, 2, 4, 1, c)["comm_s"] for c in (fast, slow)}  # tp x dp = 8: one node
-    across = {c: compose.plan(llama, 16, 4, 1, c)["comm_s"] for c in (fast, slow)}  # dp spans nodes
+    inside = {c: compose.plan(llama, 2, 4, 1, c)["dp_s"] for c in (fast, slow)}  # tp x dp = 8: one node
+    across = {c: compose.plan(llama, 16, 4, 1, c)["dp_s"] for c in (fast, slow)}  # dp spans nodes
     assert inside[fast] == inside[slow] and across[slow] > across[fast]
     with pytest.raises(ValueError, match=r"tp <= 4\)"):
         compose.plan(llama, 8, 8, 1, compose.Cluster(gpus_per_node=4))

@@ -3,11 +3,14 @@
 - :mod:`.mesh`: the rank grid, by hand (:func:`rank_grid`, dist.new_group) and as a DeviceMesh (:func:`build_mesh`);
 - :mod:`.parallelize`: each parallelism as a function over a mesh dimension (:func:`apply_tp`, :func:`apply_fsdp`,
   :func:`stage_blocks`), and the single-process reference the composed model must equal;
-- :mod:`.planner`: memory and communication per GPU for a (dp, tp, pp) choice on a real cluster (kernel-only);
-- :mod:`.checkers`: the exercise (a rank's coordinates) and its checker.
+- :mod:`.planner`: memory, bytes and time per GPU for a (dp, tp, pp) choice on a real cluster, micro-batches and
+  FSDP's reshard/defer choices included (kernel-only);
+- :mod:`.traffic`: the bytes each rank really sends, counted from the collectives torch dispatches, and the
+  planner's prediction for the notebook's model;
+- :mod:`.checkers`: the exercises' checkers (coordinates, deferred gradient sync, agreed micro-batches).
 """
 
-from course_lib.compose.checkers import check_my_coordinates, solution_my_coordinates
+from course_lib.compose.checkers import check_accumulate, check_micro_batches, check_my_coordinates
 from course_lib.compose.mesh import DIMS, build_mesh, coordinates, new_groups_by_hand, rank_grid
 from course_lib.compose.parallelize import (
     apply_fsdp,
@@ -28,34 +31,46 @@ from course_lib.compose.planner import (
     ModelShape,
     activation_bytes_per_layer,
     format_plan,
+    fsdp_collectives,
+    microbatches,
     plan,
     plan_options,
+    step_time,
 )
+from course_lib.compose.traffic import CountBytes, compare_traffic, course_model_shape, predicted_traffic
 
 __all__ = [
     "DIMS",
     "H100_NODES",
     "LLAMA_70B",
     "Cluster",
+    "CountBytes",
     "ModelShape",
     "activation_bytes_per_layer",
     "apply_fsdp",
     "apply_tp",
     "build_mesh",
+    "check_accumulate",
+    "check_micro_batches",
     "check_my_coordinates",
+    "compare_traffic",
     "coordinates",
+    "course_model_shape",
     "format_plan",
+    "fsdp_collectives",
     "loss_fn",
     "make_batch",
     "make_model",
+    "microbatches",
     "new_groups_by_hand",
     "plan",
     "plan_options",
+    "predicted_traffic",
     "quiet_full_tensor",
     "rank_grid",
     "reference_grads",
     "shard_loss",
-    "solution_my_coordinates",
     "stage_blocks",
+    "step_time",
     "unsharded_gradients",
 ]

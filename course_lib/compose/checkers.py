@@ -1,4 +1,6 @@
-"""The exercise of notebook 09: a rank's (pp, dp, tp) coordinates, checked against the DeviceMesh's."""
+"""The exercises of notebook 09, checked on real ranks: a rank's coordinates, gradient accumulation with
+deferred sync under FSDP2, and micro-batches every data-parallel rank agrees on (the solutions are in
+notebooks/solutions/09_composing_parallelism.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from course_lib.compose.mesh import DIMS
 from course_lib.exercises import ExerciseFailed, expect_equal
 
-
-def solution_my_coordinates(rank: int, pp: int, dp: int, tp: int) -> tuple[int, int, int]:
-    return rank // (dp * tp), rank // tp % dp, rank % tp
+ALL_GATHER, REDUCE_SCATTER = "c10d._allgather_base_", "c10d._reduce_scatter_base_"
 
 
 def check_my_coordinates(fn: Callable[[int, int, int, int], object]) -> None:
@@ -37,3 +37,88 @@ def check_my_coordinates(fn: Callable[[int, int, int, int], object]) -> None:
         if not isinstance(got, tuple):
             raise ExerciseFailed(f"my_coordinates must return a tuple (pp, dp, tp), got {type(got).__name__}")
         expect_equal(f"my_coordinates({me}, pp={pp}, dp={dp}, tp={tp})", got, expected)
+
+
+def check_accumulate(fn: Callable) -> None:
+    """fn(model, micro_batches) accumulates one step's gradients over the micro-batches of an FSDP2 model.
+
+    Every rank has its own micro-batches (its rows of one global batch), so only the reduced gradients can
+    equal the mean over the global batch. Counted on the wire: the parameters gathered twice per micro-batch
+    (each runs forward and backward on its own), the gradients reduce-scattered once per block and step.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from course_lib.compare import max_difference
+    from course_lib.compose.parallelize import apply_fsdp, make_batch, make_model, reference_grads, unsharded_gradients
+    from course_lib.compose.traffic import CountBytes
+
+    world, me = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    for n_mb in (2, 3):
+        x, y = make_batch(global_batch=2 * n_mb * world, seed=n_mb)
+        _, reference = reference_grads(2, x, y)
+        model = apply_fsdp(make_model(2), mesh)
+        mine = x.chunk(world)[me], y.chunk(world)[me]  # this rank's rows only
+        micro_batches = list(zip(mine[0].chunk(n_mb), mine[1].chunk(n_mb)))
+        with CountBytes() as sent:
+            fn(model, micro_batches)
+        gathers, reductions = sent.ops[ALL_GATHER], sent.ops[REDUCE_SCATTER]
+        if gathers != 2 * n_mb * 2:
+            raise ExerciseFailed(
+                f"{n_mb} micro-batches of 2 blocks: parameters gathered {gathers} times, expected {4 * n_mb} "
+                "(each micro-batch runs its own forward and backward)"
+            )
+        if reductions != 2:
+            raise ExerciseFailed(
+                f"{n_mb} micro-batches of 2 blocks: gradients reduce-scattered {reductions} times, expected 2 "
+                "(once per block and step, in the last micro-batch's backward)"
+            )
+        got = unsharded_gradients(model)
+        for name, expected in reference.items():
+            if name not in got or got[name] is None:
+                raise ExerciseFailed(f"{n_mb} micro-batches: no gradient for {name}")
+            error = max_difference(got[name], expected)
+            if error > 1e-5:
+                ratio = (got[name].norm() / expected.norm()).item()
+                raise ExerciseFailed(
+                    f"{n_mb} micro-batches: gradient of {name} differs from the global-batch mean by {error:.2e} "
+                    f"(its norm is {ratio:.3g}x the expected)"
+                )
+
+
+def check_micro_batches(fn: Callable) -> None:
+    """fn(x, y, micro_batch_size) -> [(x_i, y_i), ...]: this rank's rows in order, in micro-batches of at most
+    micro_batch_size, and as many micro-batches on every rank (FSDP ranks run their forwards in lockstep).
+
+    The ranks hold different numbers of rows, and which rank holds the most changes from round to round.
+    """
+    world, me = dist.get_world_size(), dist.get_rank()
+    rounds = [(2, 3, world - 1), (4, 5, 0), (4, 4, 0), (3, 4, world // 2)]  # (rows, rows of the big rank, big rank)
+    side = dist.new_group(backend="gloo")  # the reports travel apart from the learner's collectives
+    for rows, big_rows, big in rounds:
+        n = big_rows if me == big else rows
+        x = torch.arange(n * 3, dtype=torch.float32).view(n, 3) + 1000 * me
+        y = -x[:, 0]
+        got = fn(x, y, 2)
+        if not isinstance(got, (list, tuple)) or not all(isinstance(m, (list, tuple)) and len(m) == 2 for m in got):
+            raise ExerciseFailed("return a list of (x, y) pairs, one per micro-batch")
+        counts: list[int] = [0] * world
+        dist.all_gather_object(counts, len(got), group=side)
+        needed = -(-max(big_rows, rows) // 2)
+        if len(set(counts)) > 1:
+            few = counts.index(min(counts))
+            raise ExerciseFailed(
+                f"ranks hold {rows} or {big_rows} rows: rank {counts.index(max(counts))} made {max(counts)} "
+                f"micro-batches, rank {few} made {min(counts)}: the extra forwards gather parameters that rank "
+                f"{few} never gathers, and FSDP hangs"
+            )
+        if counts[me] != needed:
+            raise ExerciseFailed(
+                f"ranks hold {rows} or {big_rows} rows, micro_batch_size 2: {counts[me]} micro-batches, "
+                f"{needed} are enough"
+            )
+        sizes = [len(m[0]) for m in got]
+        if min(sizes) == 0 or max(sizes) > 2:
+            raise ExerciseFailed(f"{n} rows: micro-batch sizes {sizes} (each must hold 1 to 2 rows)")
+        expect_equal(f"{n} rows: the micro-batches' x, concatenated", torch.cat([m[0] for m in got]), x)
+        expect_equal(f"{n} rows: the micro-batches' y, concatenated", torch.cat([m[1] for m in got]), y)

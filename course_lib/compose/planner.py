@@ -1,4 +1,9 @@
-"""A planner for real clusters (kernel-only): memory and communication per GPU for a (dp, tp, pp) choice."""
+"""A planner for real clusters (kernel-only): memory, bytes and time per GPU for a (dp, tp, pp) choice.
+
+Bytes are what one GPU sends per step under a ring algorithm: all-gather and reduce-scatter (n-1)/n of
+the full tensor, all-reduce twice that, a send the tensor; notebook 09 counts them on ranks
+(:mod:`.traffic`) and asserts the planner's numbers for small layouts.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +22,10 @@ class ModelShape:
     hidden: int
     heads: int
     seq: int = 4096
-    micro_batch: int = 1
+    micro_batch: float = 1
+    # activation all-reduces per layer and micro-batch: 2 forward, 2 backward with fused qkv (Megatron);
+    # the course's block has separate q, k, v: their input gradients are all-reduced one by one (6)
+    tp_all_reduces: int = 4
 
 
 LLAMA_70B = ModelShape(n_params=70e9, layers=80, hidden=8192, heads=64)
@@ -30,6 +38,7 @@ class Cluster:
     gpus_per_node: int = 8
     intra_node_GBps: float = 450.0
     inter_node_GBps: float = 50.0
+    peak_TFLOPs: float = 989.0  # dense 16-bit matmuls (H100 SXM)
 
 
 H100_NODES = Cluster()  # 8 H100 per node: NVLink 4 inside, one 400 Gb/s InfiniBand link per GPU between nodes
@@ -53,6 +62,52 @@ def activation_bytes_per_layer(
     return s * b * h * (linear + attention_scores)
 
 
+def microbatches(global_batch: int, dp: int, micro_batch: float) -> int:
+    """Micro-batches per dp rank and step: the global batch over dp replicas, micro_batch sequences each."""
+    return max(1, round(global_batch / (dp * micro_batch)))
+
+
+def fsdp_collectives(
+    n_mb: int,
+    zero_stage: int = 3,
+    reshard_after_forward: bool = True,
+    reshard_after_backward: bool = True,
+    defer_grad_sync: bool = False,
+) -> dict[str, int]:
+    """Data-parallel collectives per FSDP unit and step, each moving that unit's parameters (or gradients).
+
+    ZeRO-3 gathers a unit's parameters whenever it runs while resharded: with reshard_after_forward, in
+    every micro-batch's forward and again in its backward (2 per micro-batch); without it, once per
+    micro-batch. reshard_after_backward=False keeps them gathered after the first backward, so the
+    other micro-batches gather them only in the forward that resharded them (n_mb + 1), or never
+    again (1), when micro-batches run all forwards then all backwards (GPipe) or one after the other.
+    Gradients are reduce-scattered after every micro-batch's backward unless the sync is deferred to
+    the last (set_requires_gradient_sync(False) before, as DDP's no_sync). ZeRO-1/2 gather the updated
+    parameters once per step; ZeRO-0 (DDP) all-reduces the gradients instead.
+    """
+    syncs = 1 if defer_grad_sync else n_mb
+    if zero_stage == 0:
+        return {"all_gather": 0, "reduce_scatter": 0, "all_reduce": syncs}
+    if zero_stage in (1, 2):
+        return {"all_gather": 1, "reduce_scatter": syncs, "all_reduce": 0}
+    if reshard_after_backward:
+        gathers = n_mb * (2 if reshard_after_forward else 1)
+    else:
+        gathers = n_mb + 1 if reshard_after_forward else 1
+    return {"all_gather": gathers, "reduce_scatter": syncs, "all_reduce": 0}
+
+
+def step_time(r: dict[str, float]) -> float:
+    """Seconds per step: compute stretched by the bubble, plus what communication cannot hide.
+
+    TP's all-reduces sit on the critical path (the next matmul needs their sum): exposed. FSDP's gathers
+    are prefetched one unit ahead and its reduce-scatters run during the backward of earlier units, and PP
+    sends overlap other micro-batches' compute: hidden as long as compute lasts longer (its bubble stays).
+    """
+    hidden = r["dp_s"] + r["pp_s"]
+    return r["compute_s"] / (1 - r["bubble"]) + r["tp_s"] + max(0.0, hidden - r["compute_s"])
+
+
 def plan(
     m: ModelShape,
     dp: int,
@@ -64,46 +119,65 @@ def plan(
     zero_stage: int = 3,
     sequence_parallel: bool = True,
     recompute: str = "selective",
+    reshard_after_forward: bool = True,
+    reshard_after_backward: bool = True,
+    defer_grad_sync: bool = False,
+    bytes_per_value: int = 2,
+    mfu: float = 0.4,
 ) -> dict[str, float]:
-    """Memory per GPU (GB) and communication per GPU per step (GB, and seconds at the cluster's link speeds).
+    """Memory per GPU (GB), bytes each GPU sends per step (GB) and their time at the cluster's link speeds.
 
-    Parameters, gradients and Adam state (mixed precision, 16 bytes/param) are split over tp x pp and
-    sharded over dp by ZeRO `zero_stage`; 1F1B keeps at most pp micro-batches of activations on the first
-    stage, so activations ~ layers x one micro-batch's activations per layer. TP all-reduces activations
-    4 times per layer (2 forward, 2 backward); FSDP all-gathers parameters twice and reduce-scatters
-    gradients once; PP sends one activation forward and one gradient back per micro-batch.
-    `global_batch` sequences per step: each dp replica runs global_batch / (dp x micro_batch) micro-batches.
+    A step is global_batch / (dp x micro_batch) micro-batches per dp rank, each a forward and a backward.
+    States (16 bytes/param) are split over tp x pp and sharded over dp by ZeRO `zero_stage`; activations:
+    one micro-batch per layer (1F1B keeps pp micro-batches of L/pp layers on the first stage).
+    Per micro-batch: TP all-reduces activations `m.tp_all_reduces` times per layer; PP sends one activation
+    forward and one gradient back per stage boundary. FSDP's traffic is in :func:`fsdp_collectives`:
+    ZeRO-3 all-gathers parameters in every micro-batch's forward and backward and reduce-scatters
+    gradients per micro-batch, unless told otherwise.
     """
     if tp > cluster.gpus_per_node:
         raise ValueError(f"tp={tp} spans nodes: keep tensor parallelism inside a node (tp <= {cluster.gpus_per_node})")
     if m.layers % pp:
         raise ValueError(f"{m.layers} layers do not split into pp={pp} equal stages")
-    n_microbatches = max(1, global_batch // (dp * m.micro_batch))
+    n_mb = microbatches(global_batch, dp, m.micro_batch)
     params_per_gpu = m.n_params / (tp * pp)
     state = zero_bytes_per_gpu(params_per_gpu, dp, zero_stage)
+    kept = 0.0  # what the choices keep whole between micro-batches: gathered params, unsharded gradients
+    if zero_stage == 3 and not (reshard_after_forward and reshard_after_backward):
+        kept += params_per_gpu * 2 * (dp - 1) / dp
+    if zero_stage >= 2 and defer_grad_sync:
+        kept += params_per_gpu * 4 * (dp - 1) / dp  # fp32 gradients accumulate unsharded
     activations = m.layers * activation_bytes_per_layer(m, tp, sequence_parallel, recompute)
-    act_msg = m.seq * m.micro_batch * m.hidden * 2  # one 16-bit activation tensor
-    tp_bytes = (m.layers / pp) * 4 * 2 * (tp - 1) / tp * act_msg * n_microbatches
-    dp_bytes = (3 if zero_stage == 3 else 2) * (dp - 1) / dp * params_per_gpu * 2
-    pp_bytes = 2 * act_msg * n_microbatches if pp > 1 else 0.0
+    act_msg = m.seq * m.micro_batch * m.hidden * bytes_per_value  # one activation tensor of a micro-batch
+    tp_bytes = (m.layers / pp) * m.tp_all_reduces * 2 * (tp - 1) / tp * act_msg * n_mb
+    calls = fsdp_collectives(n_mb, zero_stage, reshard_after_forward, reshard_after_backward, defer_grad_sync)
+    per_call = (dp - 1) / dp * params_per_gpu * bytes_per_value  # a ring all-gather or reduce-scatter
+    dp_bytes = (calls["all_gather"] + calls["reduce_scatter"] + 2 * calls["all_reduce"]) * per_call
+    pp_bytes = 2 * (pp - 1) / pp * act_msg * n_mb  # mean per GPU: the end stages send one way, the others both
     intra, inter = cluster.intra_node_GBps, cluster.inter_node_GBps
     dp_link = intra if tp * dp <= cluster.gpus_per_node else inter
     pp_link = intra if tp * dp * pp <= cluster.gpus_per_node else inter
+    flops = (8 if recompute == "full" else 6) * m.n_params * global_batch * m.seq
     return {
         "dp": dp,
         "tp": tp,
         "pp": pp,
         "gpus": dp * tp * pp,
+        "microbatches": n_mb,
         "params_GB": state["params"] / GB,
         "grads_GB": state["grads"] / GB,
         "optimizer_GB": state["optimizer"] / GB,
+        "kept_GB": kept / GB,
         "activations_GB": activations / GB,
-        "memory_GB": (state["total"] + activations) / GB,
+        "memory_GB": (state["total"] + kept + activations) / GB,
         "tp_comm_GB": tp_bytes / GB,
         "dp_comm_GB": dp_bytes / GB,
         "pp_comm_GB": pp_bytes / GB,
-        "comm_s": tp_bytes / (intra * GB) + dp_bytes / (dp_link * GB) + pp_bytes / (pp_link * GB),
-        "bubble": (pp - 1) / (n_microbatches + pp - 1),
+        "tp_s": tp_bytes / (intra * GB),
+        "dp_s": dp_bytes / (dp_link * GB),
+        "pp_s": pp_bytes / (pp_link * GB),
+        "compute_s": flops / (dp * tp * pp * cluster.peak_TFLOPs * 1e12 * mfu),
+        "bubble": (pp - 1) / (n_mb + pp - 1),
     }
 
 
@@ -121,17 +195,18 @@ def plan_options(m: ModelShape, n_gpus: int, cluster: Cluster = H100_NODES, **ch
 
 
 def format_plan(rows: list[dict[str, float]]) -> str:
-    """The rows of :func:`plan_options` as a table: memory per GPU, then communication per GPU per step."""
+    """The rows of :func:`plan_options` as a table: memory per GPU, bytes per GPU per step, time per step."""
     head = (
-        f"{'dp':>3} {'tp':>3} {'pp':>3} {'params':>7} {'grads':>6} {'optim':>6} {'activ':>6} {'memory':>7}"
-        f" {'TP comm':>8} {'DP comm':>8} {'PP comm':>8} {'comm s':>7} {'bubble':>7}"
+        f"{'dp':>3} {'tp':>3} {'pp':>3} {'mb':>4} {'states':>6} {'kept':>5} {'activ':>6} {'memory':>7}"
+        f" {'TP':>7} {'DP':>7} {'PP':>6} {'compute':>8} {'TP s':>6} {'DP s':>6} {'bubble':>7} {'step s':>7}"
     )
-    lines = [head, " " * 12 + "(GB per GPU)" + " " * 28 + "(GB per GPU per step)"]
+    lines = [head, " " * 17 + "(GB per GPU)" + " " * 15 + "(GB sent per GPU per step)  (seconds per step)"]
     for r in rows:
+        states = r["params_GB"] + r["grads_GB"] + r["optimizer_GB"]
         lines.append(
-            f"{r['dp']:>3} {r['tp']:>3} {r['pp']:>3} {r['params_GB']:>7.1f} {r['grads_GB']:>6.1f} "
-            f"{r['optimizer_GB']:>6.1f} {r['activations_GB']:>6.1f} {r['memory_GB']:>7.1f} "
-            f"{r['tp_comm_GB']:>8.1f} {r['dp_comm_GB']:>8.1f} {r['pp_comm_GB']:>8.2f} "
-            f"{r['comm_s']:>7.2f} {r['bubble']:>7.1%}"
+            f"{r['dp']:>3} {r['tp']:>3} {r['pp']:>3} {r['microbatches']:>4} {states:>6.1f} {r['kept_GB']:>5.1f} "
+            f"{r['activations_GB']:>6.1f} {r['memory_GB']:>7.1f} {r['tp_comm_GB']:>7.0f} {r['dp_comm_GB']:>7.0f} "
+            f"{r['pp_comm_GB']:>6.1f} {r['compute_s']:>8.1f} {r['tp_s']:>6.1f} {r['dp_s']:>6.1f} "
+            f"{r['bubble']:>7.1%} {step_time(r):>7.1f}"
         )
     return "\n".join(lines)
