@@ -1,4 +1,4 @@
-"""course_lib.pipeline: schedules on paper, from-scratch pipelines on real gloo ranks, torch's schedules, exercise."""
+"""course_lib.pipeline: schedules on paper, from-scratch pipelines on real gloo ranks, torch's schedules, exercises."""
 
 import pytest
 import torch
@@ -200,3 +200,112 @@ def test_check_reports_rank_and_not_attempted(capsys):
 
     assert check(stub, pp.check_one_f_one_b, nproc=2) is None
     assert "not attempted yet" in capsys.readouterr().out
+
+
+def test_reference_one_f_one_b_is_the_library_order():
+    for p in (1, 2, 3, 4):
+        for m in (1, 2, 5, 8):
+            for s in range(p):
+                want = [(a.kind, a.microbatch) for a in pp.one_f_one_b_actions(s, p, m)]
+                assert rank_programs.SOLUTIONS["one_f_one_b"](s, p, m) == want
+
+
+# ---- exercise 1: predict the interleaved bubble --------------------------------------------
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 6, 8])
+def test_bubble_prediction(p, capsys):
+    from course_lib.exercises import check_prediction
+
+    m = 2 * p  # the notebook's M_SHOW
+    events = pp.simulate(pp.schedule_actions("interleaved 1F1B", p, m), 2 * p, t_forward=1, t_backward=2)
+    measured = pp.bubble_fraction(events, p)
+    predict = rank_programs.SOLUTIONS["predicted_interleaved_bubble"]
+    assert check_prediction("bubble", predict(p, m), measured, rtol=0.05) is True
+    for wrong in (
+        pp.ideal_bubble(p, m),  # forgets v: 1F1B's bubble
+        (p - 1) / p,  # naive model parallelism
+        (p - 1) / (2 * m),  # forgets the p - 1 in the denominator
+        (p - 1) / (m + p - 1) / 2,  # halves 1F1B's bubble
+    ):
+        assert check_prediction("bubble", wrong, measured, rtol=0.05) is False, (p, wrong)
+    assert "too" in capsys.readouterr().out
+
+
+# ---- exercise 3: diagnose the deadlocking pipeline step ----------------------------------------
+
+
+def broken_pipeline_step(stage_module, x, y):  # the notebook's broken version
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    first, last = rank == 0, rank == world - 1
+    inp = x
+    if not first:
+        inp = torch.empty(x.shape[0], 64)
+        dist.recv(inp, src=rank - 1)
+        inp.requires_grad_()
+    out = stage_module(inp)
+    loss = None
+    if last:
+        loss = F.mse_loss(out, y)
+        loss.backward()
+    else:
+        grad_out = torch.empty_like(out)
+        dist.recv(grad_out, src=rank + 1)
+        dist.send(out.detach(), dst=rank + 1)
+        out.backward(grad_out)
+    if not first:
+        dist.send(inp.grad, dst=rank - 1)
+    return loss
+
+
+def local_pipeline_step(stage_module, x, y):  # no messages: every rank runs its stage on what it was given
+    import torch.nn.functional as F
+
+    out = stage_module(x)
+    loss = F.mse_loss(out, y) if out.shape == y.shape else out.sum()
+    loss.backward()
+    return loss
+
+
+def no_gradient_sent_back(stage_module, x, y):  # forwards right, but only the last stage gets gradients
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    inp = x
+    if rank > 0:
+        inp = torch.empty(x.shape[0], 64)
+        dist.recv(inp, src=rank - 1)
+    out = stage_module(inp)
+    if rank == world - 1:
+        loss = F.mse_loss(out, y)
+        loss.backward()
+        return loss
+    dist.send(out.detach(), dst=rank + 1)
+    return None
+
+
+def stub_pipeline_step(stage_module, x, y):
+    raise NotImplementedError  # your code here
+
+
+def test_pipeline_step_checker(capsys):
+    checker = pp.check_pipeline_step
+    assert check(stub_pipeline_step, checker, nproc=2, backend="gloo") is None
+    assert "not attempted yet" in capsys.readouterr().out
+    for n in (2, 3):
+        assert check(rank_programs.SOLUTIONS["pipeline_step"], checker, nproc=n, backend="gloo") is True
+    capsys.readouterr()
+    for wrong, n, says in (
+        (broken_pipeline_step, 3, "deadlock"),
+        (local_pipeline_step, 2, "sent and received nothing"),
+        (no_gradient_sent_back, 3, "has no gradient"),
+    ):
+        assert check(wrong, checker, nproc=n, backend="gloo", timeout=60) is False, wrong.__name__
+        out = capsys.readouterr().out
+        assert "rank " in out and says in out, (wrong.__name__, out)

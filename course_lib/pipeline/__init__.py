@@ -6,10 +6,12 @@ explicit list of actions ``Action("F" or "B", microbatch, stage)`` (schedules.py
 computes its ideal timeline or finds its deadlock without running anything (timeline.py), and
 :func:`execute` runs it with point-to-point send/recv (execution.py). train.py holds one training
 step, ours and torch.distributed.pipelining's, against single-process training; figures.py the
-Gantt chart; checkers.py the exercise. The names below are those the notebook, tests and benchmark use.
+Gantt chart; checkers.py the exercises' checkers
+(solutions: notebooks/solutions/07_pipeline_parallel.py). The names below are those the notebook, tests and
+benchmark use.
 """
 
-from course_lib.pipeline.checkers import check_one_f_one_b, solution_one_f_one_b
+from course_lib.pipeline.checkers import check_one_f_one_b, check_pipeline_step
 from course_lib.pipeline.execution import execute, naive_model_parallel
 from course_lib.pipeline.figures import plot_timeline
 from course_lib.pipeline.schedules import (
@@ -40,6 +42,7 @@ __all__ = [
     "Deadlock",
     "bubble_fraction",
     "check_one_f_one_b",
+    "check_pipeline_step",
     "course_model",
     "execute",
     "gpipe_actions",
@@ -56,7 +59,6 @@ __all__ = [
     "reference_stage_gradients",
     "schedule_actions",
     "simulate",
-    "solution_one_f_one_b",
     "split_into_stages",
     "stage_boundaries",
     "stage_gradients",

@@ -1,12 +1,18 @@
-"""The exercise of notebook 07: 1F1B's action list for one stage, its checker and reference answer."""
+"""The exercises of notebook 07, checked on the ranks: 1F1B's action list, a pipeline step that must not deadlock.
+
+The solutions are in notebooks/solutions/07_pipeline_parallel.py, not here.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import datetime
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from course_lib.compare import grad_of
 from course_lib.exercises import ExerciseFailed
@@ -104,5 +110,68 @@ def _run_and_compare(actions: Sequence[Action], p: int, m: int) -> None:
             raise ExerciseFailed(f"stage {rank}: gradient of parameter {i} differs from single-process training")
 
 
-def solution_one_f_one_b(stage: int, n_stages: int, n_microbatches: int) -> list[tuple[str, int]]:
-    return [(a.kind, a.microbatch) for a in one_f_one_b_actions(stage, n_stages, n_microbatches)]
+RECV_TIMEOUT_S = 10  # a rank still waiting in recv this long waits for a message that never comes: a deadlock
+
+
+@contextmanager
+def _p2p_through(group: dist.ProcessGroup, counts: dict[str, int]) -> Iterator[None]:
+    """During the block, dist.send/recv/isend/irecv without a group go through `group` (short timeout), counted."""
+    real = {name: getattr(dist, name) for name in ("send", "recv", "isend", "irecv")}
+
+    def wrap(name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[name] = counts.get(name, 0) + 1
+            kwargs.setdefault("group", group)
+            return real[name](*args, **kwargs)
+
+        return call
+
+    for name in real:
+        setattr(dist, name, wrap(name))
+    try:
+        yield
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+
+
+def check_pipeline_step(fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], Any]) -> None:
+    """fn(stage_module, x, y) -> the loss on the last rank (None elsewhere): naive model parallelism, one batch.
+
+    Rank k holds stage k of a seeded 64-wide MLP; only rank 0 has the real input and only the last rank the
+    real target (the others get NaN of the same shape), so the step cannot be done without the messages. A rank
+    that waits in recv for more than RECV_TIMEOUT_S seconds fails with "deadlock". The loss and every
+    stage's gradients must equal single-process training.
+    """
+    rank, p = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=RECV_TIMEOUT_S))
+    for seed, batch in ((3, 8), (4, 5)):
+        model = course_model(n_units=max(p, 2), seed=seed)
+        torch.manual_seed(seed)
+        x, y = torch.randn(batch, 64), torch.randn(batch, 8)
+        reference_loss, expected = reference_stage_gradients(model, p, x, y)
+        mine = split_into_stages(course_model(n_units=max(p, 2), seed=seed), p)[rank]
+        x_here = x if rank == 0 else torch.full_like(x, float("nan"))
+        y_here = y if rank == p - 1 else torch.full_like(y, float("nan"))
+        counts: dict[str, int] = {}
+        try:
+            with _p2p_through(group, counts):
+                loss = fn(mine, x_here, y_here)
+        except RuntimeError as error:
+            if not any(sign in str(error) for sign in ("Timed out", "Connection closed", "remote worker")):
+                raise
+            raise ExerciseFailed(
+                f"rank {rank} of {p}: stuck in recv (batch {batch}; it, or the rank it waited on, gave up after "
+                f"{RECV_TIMEOUT_S} s): the ranks wait for messages no rank has sent yet: a deadlock"
+            ) from None
+        if p > 1 and not counts:
+            raise ExerciseFailed(f"rank {rank}: sent and received nothing; stage {rank} needs the other stages' data")
+        if rank == p - 1:
+            got = float(loss.detach()) if isinstance(loss, torch.Tensor) else loss
+            if not isinstance(got, float) or abs(got - reference_loss) > 1e-5:
+                raise ExerciseFailed(f"rank {rank} (last stage): loss expected {reference_loss:.6g}, got {got!r}")
+        for i, (param, want) in enumerate(zip(mine.parameters(), expected[rank])):
+            if param.grad is None or not torch.allclose(param.grad, want, atol=1e-6, rtol=1e-4):
+                state = "no gradient" if param.grad is None else "a gradient that differs from single-process"
+                raise ExerciseFailed(f"rank {rank}: stage {rank}'s parameter {i} has {state} (batch {batch})")
+        dist.barrier(group)

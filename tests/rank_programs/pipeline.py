@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import runpy
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 
 from course_lib import pipeline as pp
 from course_lib.exercises import ExerciseFailed
+
+SOLUTIONS = runpy.run_path(str(Path(__file__).parents[2] / "notebooks" / "solutions" / "07_pipeline_parallel.py"))
 
 
 def equality(rank: int, world_size: int) -> dict:
@@ -75,7 +80,7 @@ def equality(rank: int, world_size: int) -> dict:
 
 
 def reference(stage: int, n_stages: int, n_microbatches: int) -> list:
-    return pp.solution_one_f_one_b(stage, n_stages, n_microbatches)
+    return SOLUTIONS["one_f_one_b"](stage, n_stages, n_microbatches)
 
 
 def gpipe_order(stage: int, n_stages: int, n_microbatches: int) -> list:
@@ -88,16 +93,16 @@ def warmup_reversed(stage: int, n_stages: int, n_microbatches: int) -> list:
 
 
 def forgets_last_backward(stage: int, n_stages: int, n_microbatches: int) -> list:
-    return pp.solution_one_f_one_b(stage, n_stages, n_microbatches)[:-1]
+    return reference(stage, n_stages, n_microbatches)[:-1]
 
 
 def backward_first(stage: int, n_stages: int, n_microbatches: int) -> list:
-    order = pp.solution_one_f_one_b(stage, n_stages, n_microbatches)
+    order = reference(stage, n_stages, n_microbatches)
     return [order[1], order[0], *order[2:]] if stage == n_stages - 1 and n_microbatches > 1 else order
 
 
 def strings(stage: int, n_stages: int, n_microbatches: int) -> list:
-    return [f"{k}{i}" for k, i in pp.solution_one_f_one_b(stage, n_stages, n_microbatches)]
+    return [f"{k}{i}" for k, i in reference(stage, n_stages, n_microbatches)]
 
 
 ANSWERS = (reference, gpipe_order, warmup_reversed, forgets_last_backward, backward_first, strings)
