@@ -1,6 +1,7 @@
 """Persistent ranks behind the notebook: `%dist` starts N ipyparallel engines under torchrun.
 
-    magic      `%dist start | status | restart | stop`; %%px / %px / %autopx bound to the session
+    magic      `%dist start | status | restart | stop`; %%px placeholders until a session runs
+    px         ipyparallel's %%px / %px / %autopx on the session's view: rank-ordered output, named failures
     session    the one session of this kernel: start, wait, explain failures, stop; view()
     processes  the controller, the torchrun agent and the engines: started, watched, every one ended
     engine     what torchrun starts on each rank: an engine whose id is the rank, in the process group

@@ -5,20 +5,15 @@
     x = torch.ones(2) * rank
 
 While no session runs, `%px`, `%%px`, `%autopx`, `%pxresult` and `%pxconfig` say to start one. Once
-it runs they are ipyparallel's own magics on the session's view, with two changes: output is shown
-grouped by rank in rank order once the cell ends (deterministic for nbval), and the wait watches
-the ranks, so a dead rank, a stuck collective or an interrupt ends the cell with a message that
-says what happened and what to do.
+it runs they are ipyparallel's own magics on the session's view (see px.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import shlex
-import sys
 from typing import Any
 
-from ipyparallel.client.magics import ParallelMagics
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 
 from course_lib.launch.backend import LaunchError
@@ -41,33 +36,6 @@ PARSER.add_argument(
     metavar="S",
     help=f"process-group timeout: how long a collective waits for missing ranks (default {DEFAULT_TIMEOUT_S:g} s)",
 )
-
-
-class SessionParallelMagics(ParallelMagics):
-    """ipyparallel's magics on the session's view; the waiting is the session's (see module doc)."""
-
-    stream_output = False  # grouped by rank once the cell ends, not interleaved as it comes
-    progress_after_seconds = -1  # no progress bar in the stored outputs
-
-    def parallel_execute(self, cell: str, block: bool | None = None, groupby: str = "type", **options: Any) -> Any:
-        session = sessions.current()
-        session.check()
-        if not (self.view.block if block is None else block):
-            return super().parallel_execute(cell, block=False, save_name=options.get("save_name"))
-        result = super().parallel_execute(cell, block=False, save_name=options.get("save_name"))
-        try:
-            session.wait(result)
-        except KeyboardInterrupt:
-            print(session.interrupt(result), file=sys.stderr)
-            raise
-        finally:
-            if result.done():
-                result.wait_for_output(1)
-                result.display_outputs(groupby)
-        try:
-            result.get()
-        except Exception as error:
-            raise session.explain(error) from None
 
 
 @magics_class
@@ -97,6 +65,8 @@ class DistMagics(Magics):
             print("session stopped")
 
     def _started(self, session: sessions.Session) -> None:
+        from course_lib.session.px import SessionParallelMagics  # imports ipyparallel: not at %load_ext
+
         self.shell.register_magics(SessionParallelMagics(self.shell, session.view))  # type: ignore[union-attr]
         s = session.settings
         print(f"session: {s.nproc} ranks, backend {s.backend}, started in {session.seconds:.1f} s")
