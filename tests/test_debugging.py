@@ -6,14 +6,19 @@ a few seconds of start-up, so one program carries many checks and returns its re
 
 from __future__ import annotations
 
+import runpy
+from pathlib import Path
+
 import pytest
 import torch
 
 from course_lib import debugging
-from course_lib.exercises import check
+from course_lib.exercises import check, check_prediction
 from course_lib.launch import RankFailedError
 from tests.rank_programs import debugging as programs
 from tests.rank_programs import run
+
+SOLUTIONS = Path(__file__).resolve().parents[1] / "notebooks" / "solutions" / "10_debugging_and_monitoring.py"
 
 
 def test_debugger_scenarios_on_three_ranks():
@@ -130,15 +135,16 @@ def gradients_in_sync(model):
     raise NotImplementedError
 
 
-def reference_in_sync(model):
-    from course_lib.debugging import solution_gradients_in_sync
-
-    return solution_gradients_in_sync(model)
+def solutions(nproc=2):
+    return runpy.run_path(str(SOLUTIONS), init_globals={"NPROC": nproc})
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_exercise_reference_passes(nproc, capsys):
-    assert check(reference_in_sync, debugging.check_gradients_in_sync, nproc=nproc, backend="gloo")
+def test_exercise_solutions_pass(nproc, capsys):
+    solved = solutions(nproc)
+    assert check(solved["gradients_in_sync"], debugging.check_gradients_in_sync, nproc=nproc, backend="gloo")
+    assert check(solved["mean_finite_loss"], debugging.check_mean_finite_loss, nproc=nproc, backend="gloo")
+    assert capsys.readouterr().out.count(f"correct on {nproc} ranks") == 2
 
 
 def test_exercise_stub_is_not_attempted(capsys):
@@ -161,3 +167,82 @@ def test_exercise_wrong_answers_fail_naming_the_rank(wrong, expected, capsys):
     assert check(wrong, debugging.check_gradients_in_sync, nproc=3, backend="gloo") is False
     said = capsys.readouterr().out
     assert expected in said and "rank" in said.split(":")[1], said
+
+
+def mean_loss_skipping_the_bad_rank(loss):  # the broken function the notebook shows
+    import torch
+    import torch.distributed as dist
+
+    if not torch.isfinite(loss):
+        return float("nan"), 1  # this rank skips the all-reduce the others wait in
+    totals = torch.stack([loss.detach(), torch.tensor(1.0)])
+    dist.all_reduce(totals)
+    return (totals[0] / totals[1]).item(), dist.get_world_size() - int(totals[1].item())
+
+
+def mean_loss_of_this_rank_only(loss):
+    import torch
+
+    finite = bool(torch.isfinite(loss))
+    return (loss.item() if finite else 0.0), int(not finite)
+
+
+def mean_loss_spreading_the_nan(loss):
+    import torch.distributed as dist
+
+    total = loss.detach().clone()
+    dist.all_reduce(total)  # a NaN on one rank is now on every rank
+    return total.item() / dist.get_world_size(), 0
+
+
+def mean_loss_over_all_ranks(loss):
+    import torch
+    import torch.distributed as dist
+
+    finite = bool(torch.isfinite(loss))
+    totals = torch.stack([loss.detach() if finite else torch.zeros(()), torch.tensor(float(not finite))])
+    dist.all_reduce(totals)
+    return totals[0].item() / dist.get_world_size(), int(totals[1].item())  # divides by N, not the finite count
+
+
+@pytest.mark.parametrize(
+    "wrong, expected",
+    [
+        (mean_loss_skipping_the_bad_rank, "NaN loss on rank 2: "),
+        (mean_loss_of_this_rank_only, "every loss finite: no collective call"),
+        (mean_loss_spreading_the_nan, "returned the mean nan, expected"),
+        (mean_loss_over_all_ranks, "(over the ranks whose loss is finite)"),
+    ],
+)
+def test_mean_finite_loss_checker_rejects_wrong_answers(wrong, expected, capsys):
+    assert check(wrong, debugging.check_mean_finite_loss, nproc=3, backend="gloo", timeout=90) is False
+    said = capsys.readouterr().out
+    assert expected in said, said
+    if wrong is mean_loss_skipping_the_bad_rank:
+        assert "never" in said and "rank" in said, said
+
+
+def test_mean_finite_loss_stub_is_not_attempted(capsys):
+    def mean_finite_loss(loss):
+        raise NotImplementedError  # your code here
+
+    assert check(mean_finite_loss, debugging.check_mean_finite_loss, nproc=2, backend="gloo") is None
+    assert "not attempted yet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("nproc", [2, 3, 4])
+def test_ring_bytes_prediction(nproc, capsys):
+    from course_lib.models import MLP
+
+    P = sum(p.numel() for p in MLP().parameters())
+    measured = 2 * (nproc - 1) / nproc * 4 * P  # the notebook's value: the profiler's elements (= P) x formula
+    assert check_prediction("bytes", solutions(nproc)["predicted_ring_bytes"], measured, rtol=0.01)
+    wrong = {
+        "elements, not bytes": 2 * (nproc - 1) / nproc * P,
+        "2 x the buffer, without (N-1)/N": 2 * 4 * P,
+        "N instead of N - 1": 2 * nproc / nproc * 4 * P,
+        "the checksum check's 2 x 8 T": 2 * 8 * 10,
+    }
+    for why, value in wrong.items():
+        assert check_prediction("bytes", value, measured, rtol=0.01) is False, why
+    assert capsys.readouterr().out.count("✗") == len(wrong)

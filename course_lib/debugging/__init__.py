@@ -6,10 +6,10 @@
 - :mod:`.monitor`, :mod:`.train`: time, throughput and memory per step, and the monitored training run;
 - :mod:`.traces`: what a chrome trace written by torch.profiler holds;
 - :mod:`.figures`: the live per-step plot (kernel-only);
-- :mod:`.checkers`: the exercise's reference solution and checker.
+- :mod:`.checkers`: the exercises' checkers (gradients in sync; a rank that skips a collective).
 """
 
-from course_lib.debugging.checkers import check_gradients_in_sync, solution_gradients_in_sync
+from course_lib.debugging.checkers import check_gradients_in_sync, check_mean_finite_loss
 from course_lib.debugging.checksums import checksum_range, gradient_checksums
 from course_lib.debugging.debugger import DistributedDebugger, GradientDesyncError, NonFiniteError, NonFiniteEvent
 from course_lib.debugging.environment import differing_keys, environment_report, mismatch_fingerprints
@@ -27,6 +27,7 @@ __all__ = [
     "StepMonitor",
     "allreduce_sizes",
     "check_gradients_in_sync",
+    "check_mean_finite_loss",
     "checksum_range",
     "differing_keys",
     "environment_report",
@@ -35,7 +36,6 @@ __all__ = [
     "memory_mb",
     "mismatch_fingerprints",
     "plot_steps",
-    "solution_gradients_in_sync",
     "trace_event_names",
     "train_monitored",
 ]

@@ -1,21 +1,21 @@
-"""The exercise of notebook 10: `gradients_in_sync(model)`, its reference solution and its checker."""
+"""The exercises of notebook 10, checked on the ranks: `gradients_in_sync(model)` (implement) and
+`mean_finite_loss(loss)` (diagnose: a rank that skips a collective). Solutions: notebooks/solutions/10_*.py."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+import math
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from datetime import timedelta
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib.debugging.checksums import checksum_range
 from course_lib.exercises import ExerciseFailed
 from course_lib.launch.runtime import rank_device
-
-
-def solution_gradients_in_sync(model: nn.Module) -> bool:
-    _, high, low = checksum_range(model)
-    return bool(torch.equal(high, low))
 
 
 def _model_with_gradients(seed_offset: int) -> nn.Module:
@@ -70,3 +70,100 @@ def check_gradients_in_sync(fn: Callable[[nn.Module], object]) -> None:
     # A check every rank must agree on: a verdict differing between ranks would leave ranks in
     # different branches of the training loop.
     dist.barrier()
+
+
+# ---- diagnose: a rank that skips a collective ----------------------------------------------------------------
+
+COLLECTIVE_TIMEOUT_S = 6  # a collective that some rank skipped fails after this, instead of hanging
+_COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "broadcast",
+    "reduce",
+    "reduce_scatter_tensor",
+    "barrier",
+)
+
+
+@contextmanager
+def _collectives_on(group: dist.ProcessGroup) -> Iterator[list[str]]:
+    """While active, dist's collectives called without a group run on `group` (its short timeout turns a
+    skipped collective into an error) and are recorded, by name, in the list yielded."""
+    calls: list[str] = []
+
+    def counted(name: str, original: Callable) -> Callable:
+        signature = inspect.signature(original)
+
+        def call(*args, **kwargs):
+            calls.append(name)
+            bound = signature.bind(*args, **kwargs)
+            if bound.arguments.get("group") is None:
+                bound.arguments["group"] = group
+            return original(*bound.args, **bound.kwargs)
+
+        return call
+
+    with ExitStack() as patches:  # dist's functions, restored on the way out
+        for name in _COLLECTIVES:
+            patches.enter_context(mock.patch.object(dist, name, counted(name, getattr(dist, name))))
+        yield calls
+
+
+def check_mean_finite_loss(fn: Callable[[torch.Tensor], object]) -> None:
+    """fn(loss) -> (mean of the finite losses over the ranks, number of ranks whose loss is not finite), the
+    same on every rank. Each rank's loss is its own secret; every rank must make the same collective calls."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = rank_device()
+    timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    learner_group, checker_group = dist.new_group(timeout=timeout), dist.new_group(timeout=timeout)
+    salt = torch.randint(0, 2**30, (1,), device=device)
+    dist.broadcast(salt, src=0, group=checker_group)
+    cases = [
+        ("every loss finite", {}),
+        (f"NaN loss on rank {world - 1}", {world - 1: math.nan}),
+        ("Inf loss on rank 0", {0: math.inf}),
+    ]
+    for i, (what, bad) in enumerate(cases):
+        g = torch.Generator().manual_seed(int(salt) + 7919 * i + rank)
+        value = bad.get(rank, 0.5 + float(torch.rand((), generator=g)))
+        everyone = [torch.zeros((), device=device) for _ in range(world)]
+        dist.all_gather(everyone, torch.tensor(value, device=device), group=checker_group)
+        finite = [float(v) for v in everyone if math.isfinite(float(v))]
+        with _collectives_on(learner_group) as calls:
+            try:
+                got = fn(torch.tensor(value, device=device))
+            except RuntimeError as error:
+                raise ExerciseFailed(
+                    f"{what}: rank {rank} waited {COLLECTIVE_TIMEOUT_S} s in a collective that some rank never "
+                    f"called ({str(error).splitlines()[0][:80]})"
+                ) from None
+        counts = [torch.zeros((), dtype=torch.long, device=device) for _ in range(world)]
+        try:
+            dist.all_gather(counts, torch.tensor(len(calls), device=device), group=checker_group)
+        except RuntimeError:
+            raise ExerciseFailed(
+                f"{what}: rank {rank} made {len(calls)} collective call(s) and returned, but another rank never "
+                f"returned: it waits in a collective that a rank skipped"
+            ) from None
+        counts_by_rank = [int(c) for c in counts]
+        if len(set(counts_by_rank)) > 1:
+            raise ExerciseFailed(f"{what}: the ranks made different numbers of collective calls: {counts_by_rank}")
+        if counts_by_rank[0] == 0:
+            raise ExerciseFailed(f"{what}: no collective call: a rank has only its own loss, the mean needs all")
+        _expect_mean_and_count(what, rank, got, sum(finite) / len(finite), world - len(finite))
+    dist.barrier(group=checker_group)
+
+
+def _expect_mean_and_count(what: str, rank: int, got: object, mean: float, n_bad: int) -> None:
+    if not isinstance(got, (tuple, list)) or len(got) != 2:
+        raise ExerciseFailed(f"{what}: return (mean, number of non-finite losses), got {got!r} on rank {rank}")
+    got_mean, got_bad = float(got[0]), int(got[1])
+    if not math.isclose(got_mean, mean, rel_tol=1e-5):
+        raise ExerciseFailed(
+            f"{what}: rank {rank} returned the mean {got_mean:.6g}, expected {mean:.6g} (over the ranks whose "
+            f"loss is finite)"
+        )
+    if got_bad != n_bad:
+        raise ExerciseFailed(f"{what}: rank {rank} counted {got_bad} non-finite loss(es), expected {n_bad}")
