@@ -6,6 +6,9 @@ number-format helpers. Each multi-rank test is one launch (a few seconds of star
 from __future__ import annotations
 
 import math
+import re
+import runpy
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +18,10 @@ from course_lib.exercises import check
 from course_lib.models import MLP
 from tests.rank_programs import precision as rank_programs
 from tests.rank_programs import run
+
+SOLUTIONS = runpy.run_path(
+    str(Path(__file__).resolve().parents[1] / "notebooks" / "solutions" / "04_mixed_precision.py")
+)
 
 # ------------------------------------------------------------------------------------------------
 # one process
@@ -161,7 +168,7 @@ def test_scaler_equals_gradscaler_on_sharded_ranks(nproc):
     assert any(s != naive[0] for s in naive), "without the all-reduce the ranks should skip different steps"
 
     verdicts = values["verdicts"][0]
-    assert verdicts["solution_found_inf"] == "passed" and verdicts["found_inf_across_ranks"] == "passed"
+    assert verdicts["found_inf"] == "passed" and verdicts["found_inf_across_ranks"] == "passed"
     assert verdicts["local_only"].startswith(f"case 'inf on rank {nproc - 1} only': expected 1.0, got 0.0")
     assert verdicts["summed"].startswith(f"case '-inf on every rank': expected 1.0, got {float(nproc)}")
     assert verdicts["misses_nan"].startswith("case 'nan on rank 0 only'")
@@ -185,13 +192,39 @@ def found_inf_stub(grads):
 
 def test_exercise_check_names_the_rank(capsys):
     assert check(found_inf_stub, precision.check_found_inf, nproc=3, backend="gloo") is None
-    assert check(precision.solution_found_inf, precision.check_found_inf, nproc=3, backend="gloo") is True
+    assert check(SOLUTIONS["found_inf"], precision.check_found_inf, nproc=3, backend="gloo") is True
     assert check(found_inf_local_only, precision.check_found_inf, nproc=3, backend="gloo") is False
     out = capsys.readouterr().out
     assert "found_inf_stub: not attempted yet" in out
-    assert "✓ solution_found_inf: correct on 3 ranks" in out
+    assert "✓ found_inf: correct on 3 ranks" in out
     # ranks 0 and 1 hold finite gradients in the one-rank case, so one of them reports the failure
     assert (
         "✗ found_inf_local_only: rank 0: case 'inf on rank 2 only': expected 1.0, got 0.0" in out
         or "✗ found_inf_local_only: rank 1: case 'inf on rank 2 only': expected 1.0, got 0.0" in out
     )
+
+
+def test_clipping_exercise_checker_on_ranks():
+    verdicts = run(rank_programs.clipping_verdicts, 3, timeout=240)
+    for rank, got in enumerate(verdicts):
+        assert got["train_step"] == "passed", (rank, got)
+        # every rank's shard differs for these, so every rank reports them
+        for wrong in ("clips_scaled", "no_clipping"):
+            assert re.fullmatch(r"after 4 steps, \S+ \(this rank's shard\) element .* expected .*", got[wrong]), got
+        assert got["no_update"] == "your train_step raised RuntimeError: unscale_() is being called after step().", got
+        assert got["fixed_scale"].startswith("after 4 steps the loss scale is 65536, expected"), got
+    assert any(got["clips_local_shards"] != "passed" for got in verdicts), verdicts
+
+
+@pytest.mark.parametrize("nproc", [2, 3, 4])
+def test_prediction_of_bf16_bytes_per_rank(nproc):
+    """Exercise 1: 2P/N passes at every FSDP_NPROC; 4 bytes, forgetting /N, or N-1 fail."""
+    from course_lib.exercises import check_prediction
+
+    model = MLP(d_hidden=256)
+    parameters = sum(p.numel() for p in model.parameters())
+    measured = 2 * sum(-(-p.shape[0] // nproc) * p[0].numel() for p in model.parameters())  # rank 0, Shard(0)
+    predict = SOLUTIONS["predicted_bf16_bytes"]
+    assert check_prediction("bf16", predict(parameters, nproc), measured, rtol=0.05) is True
+    for wrong in (4 * parameters / nproc, 2 * parameters, 2 * parameters / (nproc - 1)):
+        assert check_prediction("bf16", wrong, measured, rtol=0.05) is False, wrong

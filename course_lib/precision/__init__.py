@@ -6,11 +6,11 @@
 - train: one training loop for both scalers; the loss curves per precision mode
 - anti_pattern: MixedPrecisionTrainer, a hand-managed scale next to GradScaler (do not copy)
 - figures: the formats table and (GPU) matmul throughput
-- checkers: the found-inf exercise's reference solution and checker
+- checkers: the exercise checkers (found-inf across ranks, a GradScaler step with clipping)
 """
 
 from course_lib.precision.anti_pattern import MixedPrecisionTrainer
-from course_lib.precision.checkers import check_found_inf, solution_found_inf
+from course_lib.precision.checkers import check_clipped_scaler_step, check_found_inf
 from course_lib.precision.figures import finfo_table, matmul_tflops
 from course_lib.precision.inspection import inspect_fsdp2_mixed_precision, record_collectives, record_op_dtypes
 from course_lib.precision.loss_scaler import DynamicLossScaler, found_inf_across_ranks, local_grads
@@ -40,6 +40,7 @@ __all__ = [
     "MixedPrecisionTrainer",
     "amp_training_loop",
     "bit_fields",
+    "check_clipped_scaler_step",
     "check_found_inf",
     "finfo_table",
     "found_inf_across_ranks",
@@ -52,7 +53,6 @@ __all__ = [
     "record_op_dtypes",
     "rounding_error",
     "smallest_subnormal",
-    "solution_found_inf",
     "stored_value",
     "train_precision_mode",
 ]

@@ -1,4 +1,8 @@
-"""Notebook 04's exercise: a found-inf check that agrees across ranks; its reference solution and checker."""
+"""Notebook 04's exercise checkers: a found-inf check that agrees across ranks, and a GradScaler step with clipping.
+
+The solutions are in notebooks/solutions/04_mixed_precision.py; the checkers compare with the library's own
+algorithm (amp_training_loop), not with a second copy of the answer.
+"""
 
 from __future__ import annotations
 
@@ -9,15 +13,6 @@ import torch
 import torch.distributed as dist
 
 from course_lib.exercises import ExerciseFailed
-
-
-def solution_found_inf(grads: list[torch.Tensor]) -> torch.Tensor:
-    found = torch.zeros(())
-    for grad in grads:
-        if not torch.isfinite(grad).all():
-            found.fill_(1.0)
-    dist.all_reduce(found, op=dist.ReduceOp.MAX)
-    return found
 
 
 def _found_inf_cases(world_size: int) -> list[tuple[str, dict[int, float]]]:
@@ -62,3 +57,50 @@ def check_found_inf(fn: Callable[[list[torch.Tensor]], torch.Tensor]) -> None:
             raise ExerciseFailed(wrong)
         if anyone_wrong.item():
             return  # another rank's answer was wrong; that rank reports it
+
+
+CLIP_STEPS, CLIP_MAX_NORM = 4, 0.05  # small enough that every step is clipped at its true gradient norm
+
+
+def check_clipped_scaler_step(train_step: Callable[..., object]) -> None:
+    """Runs on every rank: `train_step(model, optimizer, scaler, x, y, max_norm)` on an FSDP2-sharded MLP.
+
+    Each rank holds its own rows of the global batch. After CLIP_STEPS steps, this rank's parameter shards
+    and the loss scale must equal those of `amp_training_loop` (fp16 autocast, unscale_, clip, step, update)
+    run on an identical model: clipping the scaled gradients, not clipping, or skipping `update` all differ.
+    """
+    from torch import nn
+
+    from course_lib.compare import local_tensor
+    from course_lib.models import MLP, shard_layers_then_root
+    from course_lib.precision.train import amp_training_loop, rank_batches
+
+    batches = rank_batches(CLIP_STEPS, 48, torch.device("cpu"), seed=3)
+
+    def setup() -> tuple[nn.Module, torch.optim.Optimizer, torch.amp.GradScaler]:
+        model = shard_layers_then_root(MLP(seed=1))
+        return model, torch.optim.SGD(model.parameters(), lr=0.5), torch.amp.GradScaler("cpu", growth_interval=2)
+
+    model, optimizer, scaler = setup()
+    reference, reference_optimizer, reference_scaler = setup()
+    amp_training_loop(reference, reference_optimizer, reference_scaler, batches, max_norm=CLIP_MAX_NORM)
+    try:
+        for x, y in batches:
+            train_step(model, optimizer, scaler, x, y, CLIP_MAX_NORM)
+    except Exception as error:
+        raise ExerciseFailed(f"your train_step raised {type(error).__name__}: {error}") from None
+    for (name, parameter), reference_parameter in zip(model.named_parameters(), reference.parameters()):
+        got, expected = local_tensor(parameter.detach()), local_tensor(reference_parameter.detach())
+        wrong = ~torch.isclose(got, expected, rtol=1e-4, atol=1e-6)
+        if wrong.any():
+            index = [int(i) for i in wrong.nonzero()[0]]
+            raise ExerciseFailed(
+                f"after {CLIP_STEPS} steps, {name} (this rank's shard) element {index} is "
+                f"{got[tuple(index)].item():.6g}, expected {expected[tuple(index)].item():.6g}: the update "
+                f"is not that of gradients clipped to norm {CLIP_MAX_NORM} at their true (unscaled) size"
+            )
+    if scaler.get_scale() != reference_scaler.get_scale():
+        raise ExerciseFailed(
+            f"after {CLIP_STEPS} steps the loss scale is {scaler.get_scale():g}, expected "
+            f"{reference_scaler.get_scale():g}: the scaler never adjusted its scale"
+        )

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import runpy
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 
@@ -10,7 +13,9 @@ from course_lib.compare import local_tensor
 from course_lib.exercises import ExerciseFailed
 from course_lib.models import MLP, shard_layers_then_root
 
-# Answers to the exercise that the checker must reject, each for its own reason.
+SOLUTIONS = Path(__file__).resolve().parents[2] / "notebooks" / "solutions" / "04_mixed_precision.py"
+
+# Answers to the found-inf exercise that the checker must reject, each for its own reason.
 
 
 def local_only(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -30,7 +35,7 @@ def misses_nan(grads: list[torch.Tensor]) -> torch.Tensor:
 
 
 def cleans_gradients(grads: list[torch.Tensor]) -> torch.Tensor:
-    found = precision.solution_found_inf(grads)
+    found = precision.found_inf_across_ranks(grads)
     for g in grads:
         g.nan_to_num_(posinf=0.0, neginf=0.0)
     return found
@@ -57,7 +62,7 @@ def scalers_on_sharded_ranks(rank: int, world_size: int) -> dict:
         params[name] = [local_tensor(p.detach()).clone() for p in model.parameters()]
     verdicts = {}
     for candidate in (
-        precision.solution_found_inf,
+        runpy.run_path(str(SOLUTIONS))["found_inf"],
         precision.found_inf_across_ranks,
         local_only,
         summed,
@@ -76,3 +81,75 @@ def scalers_on_sharded_ranks(rank: int, world_size: int) -> dict:
         "policy": precision.inspect_fsdp2_mixed_precision(torch.bfloat16, torch.float32),
         "verdicts": verdicts,
     }
+
+
+# Answers to the clipping exercise that the checker must reject.
+
+
+def clips_scaled(model, optimizer, scaler, x, y, max_norm):  # the broken step the notebook shows
+    with torch.autocast(x.device.type, dtype=torch.float16):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+    scaler.scale(loss).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def no_clipping(model, optimizer, scaler, x, y, max_norm):
+    with torch.autocast(x.device.type, dtype=torch.float16):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def no_update(model, optimizer, scaler, x, y, max_norm):
+    with torch.autocast(x.device.type, dtype=torch.float16):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scaler.step(optimizer)
+    optimizer.zero_grad(set_to_none=True)
+
+
+def fixed_scale(model, optimizer, scaler, x, y, max_norm):
+    """Overrides GradScaler's scale every step (the anti-pattern of section 4)."""
+    with torch.autocast(x.device.type, dtype=torch.float16):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scaler.step(optimizer)
+    scaler.update(new_scale=2.0**16)
+    optimizer.zero_grad(set_to_none=True)
+
+
+def clips_local_shards(model, optimizer, scaler, x, y, max_norm):
+    """Clips each rank's shard by its own norm: the ranks' clip factors differ."""
+    with torch.autocast(x.device.type, dtype=torch.float16):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    grads = [local_tensor(p.grad) for p in model.parameters()]
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    for g in grads:
+        g.mul_(min(1.0, max_norm / (float(norm) + 1e-6)))
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def clipping_verdicts(rank: int, world_size: int) -> dict:
+    """The clipping checker against the solution and the wrong answers: 'passed' or the message, per candidate."""
+    candidates = [runpy.run_path(str(SOLUTIONS))["train_step"], clips_scaled, no_clipping, no_update]
+    verdicts = {}
+    for candidate in [*candidates, fixed_scale, clips_local_shards]:
+        try:
+            precision.check_clipped_scaler_step(candidate)
+            verdicts[candidate.__name__] = "passed"
+        except ExerciseFailed as failure:
+            verdicts[candidate.__name__] = str(failure)
+    return verdicts

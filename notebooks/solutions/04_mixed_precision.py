@@ -1,0 +1,41 @@
+"""Solutions to notebook 04's exercises (load in the notebook with `%load solutions/04_mixed_precision.py`).
+
+Each function is self-contained (imports inside), because `check` sends its source to the ranks.
+"""
+
+# Exercise 1 (predict): bytes of bf16 parameters per rank for MLP(d_hidden=256) sharded by FSDP2 over
+# FSDP_NPROC ranks. Each parameter is 2 bytes in bf16, and each rank holds 1/N of them (Shard(0)):
+#     predicted_bf16_bytes = 2 * P / N,   P = sum(p.numel() for p in MLP(d_hidden=256).parameters())
+
+
+def predicted_bf16_bytes(parameters: int, ranks: int) -> float:
+    return 2 * parameters / ranks
+
+
+# Exercise 2 (implement): one found-inf flag for all ranks.
+def found_inf(grads):
+    import torch
+    import torch.distributed as dist
+
+    found = torch.zeros(())
+    for grad in grads:
+        if not torch.isfinite(grad).all():
+            found.fill_(1.0)
+    dist.all_reduce(found, op=dist.ReduceOp.MAX)  # MAX: one rank's overflow makes every rank skip
+    return found
+
+
+# Exercise 3 (diagnose): the broken step clipped the *scaled* gradients (norm x 65536), so every update was
+# cut to max_norm / scale of what it should be. Unscale first, then clip, then step and update.
+def train_step(model, optimizer, scaler, x, y, max_norm):
+    import torch
+
+    with torch.autocast(x.device.type, dtype=torch.float16):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)  # the fix: the true gradients, before clipping
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
