@@ -10,8 +10,8 @@ of collective, so the kind names the mesh dimension.
 
 from __future__ import annotations
 
-from collections import Counter
-from typing import Any
+from collections import Counter, defaultdict
+from typing import Any, cast
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -24,7 +24,7 @@ def _group_size(name_or_group: Any) -> int:
     if isinstance(name_or_group, str):
         from torch.distributed.distributed_c10d import _resolve_process_group
 
-        return _resolve_process_group(name_or_group).size()
+        return _resolve_process_group(cast(Any, name_or_group)).size()  # a group name as the op carries it
     return name_or_group.size()
 
 
@@ -58,7 +58,7 @@ class CountBytes(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.bytes: Counter = Counter()
+        self.bytes: defaultdict[str, float] = defaultdict(float)
         self.calls: Counter = Counter()
         self.ops: Counter = Counter()  # calls by op: c10d._allgather_base_, c10d._reduce_scatter_base_, ...
 
@@ -68,8 +68,8 @@ class CountBytes(TorchDispatchMode):
             counted = sent_bytes(op, args)
             if counted is not None:
                 self.ops[op] += 1
-                dim, n = counted
-                self.bytes[dim] += n
+                dim, sent = counted
+                self.bytes[dim] += sent
                 self.calls[dim] += 1
         return func(*args, **(kwargs or {}))
 
