@@ -1,51 +1,174 @@
-"""Notebook 00's health check and exercise checkers, on real gloo ranks."""
+"""Notebook 00's health check and exercises on real gloo ranks: the solutions pass, wrong answers
+(those that skip the communication included) are rejected with the expected message, the prediction
+check takes the right number and refuses the usual wrong ones."""
 
 from __future__ import annotations
+
+import runpy
+from pathlib import Path
 
 import pytest
 
 from course_lib import process_groups
-from course_lib.exercises import check
+from course_lib.exercises import check, check_prediction
 from tests.rank_programs import process_groups as programs
 from tests.rank_programs import run
 
+SOLUTIONS = str(Path(__file__).parents[1] / "notebooks" / "solutions" / "00_torchrun_and_process_groups.py")
+CHECKERS = "course_lib.process_groups"
 
-def rank_sum_off_by_one():
-    import torch
+
+def solutions(nproc: int) -> dict:
+    return runpy.run_path(SOLUTIONS, init_globals={"NPROC": nproc})
+
+
+# ---- wrong answers (module level: the ranks import them) --------------------------------------
+
+
+def rank_sum_from_the_formula(value):
     import torch.distributed as dist
 
-    t = torch.tensor([dist.get_rank() + 1])  # counts ranks from 1
-    dist.all_reduce(t)
-    return int(t.item())
+    n = dist.get_world_size()
+    return n * (n - 1) // 2  # the old exercise's shortcut: no communication
 
 
-def gather_ranks_as_tensor():
+def rank_sum_scaled_locally(value):
+    import torch.distributed as dist
+
+    return value * dist.get_world_size()  # as if every rank had this rank's value
+
+
+def rank_sum_barrier_then_local(value):
+    import torch.distributed as dist
+
+    dist.barrier()  # communicates, but nothing of the others' values
+    return value * dist.get_world_size()
+
+
+def rank_sum_max(value):
+    import torch.distributed as dist
+
+    total = value.clone()
+    dist.all_reduce(total, op=dist.ReduceOp.MAX)
+    return total
+
+
+def rank_sum_as_number(value):
+    import torch.distributed as dist
+
+    total = value.clone()
+    dist.all_reduce(total)
+    return total.tolist()
+
+
+def gather_values_range(value):
+    import torch.distributed as dist
+
+    return list(range(dist.get_world_size()))  # the old exercise's shortcut
+
+
+def gather_values_of_ranks(value):
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, dist.get_rank())  # gathers the ranks, not the values
+    return out
+
+
+def gather_values_reversed(value):
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out[::-1]
+
+
+def gather_values_as_tensor(value):
     import torch
     import torch.distributed as dist
 
     out = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, torch.tensor([dist.get_rank()]))
-    return torch.cat(out)  # a tensor, not the list the exercise asks for
+    dist.all_gather(out, torch.tensor([value]))
+    return torch.cat(out)
 
 
-@pytest.mark.parametrize("nproc", [2, 3])
-def test_reference_solutions_pass(nproc, capsys):
-    assert check(process_groups.solution_rank_sum, process_groups.check_rank_sum, nproc=nproc, backend="gloo")
-    assert check(process_groups.solution_gather_ranks, process_groups.check_gather_ranks, nproc=nproc, backend="gloo")
-    assert capsys.readouterr().out.count(f"correct on {nproc} ranks") == 2
+def mean_loss_on_rank_0_only(loss):
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:  # the notebook's broken version
+        total = loss.clone()
+        dist.all_reduce(total)
+        return total / dist.get_world_size()
+    return loss
 
 
-@pytest.mark.parametrize(
-    "wrong, checker, message",
-    [
-        (rank_sum_off_by_one, process_groups.check_rank_sum, "expected 3, got 6"),
-        (gather_ranks_as_tensor, process_groups.check_gather_ranks, "must return a list, got Tensor"),
-    ],
-)
-def test_checkers_reject_wrong_answers(wrong, checker, message, capsys):
-    assert check(wrong, checker, nproc=3, backend="gloo") is False
+def mean_loss_without_dividing(loss):
+    import torch.distributed as dist
+
+    total = loss.clone()
+    dist.all_reduce(total)
+    return total
+
+
+def mean_loss_local(loss):
+    return loss
+
+
+WRONG = [
+    ("rank_sum_from_the_formula", "check_rank_sum", "called no torch.distributed function"),
+    ("rank_sum_scaled_locally", "check_rank_sum", "called no torch.distributed function"),
+    ("rank_sum_barrier_then_local", "check_rank_sum", "rank_sum(value) on 3 ranks, call 1 with new values: element"),
+    ("rank_sum_max", "check_rank_sum", "expected"),
+    ("rank_sum_as_number", "check_rank_sum", "must return a tensor, got list"),
+    ("gather_values_range", "check_gather_values", "called no torch.distributed function"),
+    ("gather_values_of_ranks", "check_gather_values", "gather_values(value) on 3 ranks, call 1 with new values["),
+    ("gather_values_reversed", "check_gather_values", "expected"),
+    ("gather_values_as_tensor", "check_gather_values", "must return a list, got Tensor"),
+    ("mean_loss_without_dividing", "check_mean_loss", "mean_loss(loss) on rank"),
+    ("mean_loss_local", "check_mean_loss", "called no torch.distributed function"),
+]
+
+
+def test_solutions_pass_and_wrong_answers_fail_on_3_ranks():
+    """One launch judges every case; each wrong answer fails on every rank at the same call."""
+    cases = [(f"solution:{name}", f"{CHECKERS}:{checker}") for name, checker in SOLVED]
+    cases += [(f"tests.test_process_groups:{wrong}", f"{CHECKERS}:{checker}") for wrong, checker, _ in WRONG]
+    results = run(programs.judge, 3, kwargs={"cases": cases, "solutions": SOLUTIONS}, timeout=300)
+    for per_rank in results:
+        messages = per_rank["messages"]
+        assert messages[: len(SOLVED)] == ["ok"] * len(SOLVED), messages
+        for (wrong, _, fragment), message in zip(WRONG, messages[len(SOLVED) :]):
+            assert message != "ok" and fragment in message, (wrong, message)
+
+
+SOLVED = [("rank_sum", "check_rank_sum"), ("gather_values", "check_gather_values"), ("mean_loss", "check_mean_loss")]
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_solutions_pass_through_check(nproc, capsys):
+    answers = solutions(nproc)
+    for name, checker in SOLVED:
+        assert check(answers[name], getattr(process_groups, checker), nproc=nproc, backend="gloo", timeout=120)
+    assert capsys.readouterr().out.count(f"correct on {nproc} ranks") == len(SOLVED)
+
+
+def test_desynced_mean_loss_fails_in_seconds(capsys):
+    """The broken logger hangs rank 0 in its all_reduce: the checker ends that and says what differs."""
+    assert check(mean_loss_on_rank_0_only, process_groups.check_mean_loss, nproc=3, backend="gloo", timeout=90) is False
     out = capsys.readouterr().out
-    assert "✗" in out and message in out, out
+    assert "✗ mean_loss_on_rank_0_only" in out and "the ranks made different communication calls" in out, out
+    assert "rank 0: ['all_reduce']; rank 1: none" in out and "waited in vain" in out, out
+
+
+@pytest.mark.parametrize("nproc", [1, 2, 3, 4, 8])
+def test_prediction(nproc, capsys):
+    measured = float(sum(r + 1 for r in range(nproc)))  # what all_reduce(SUM) of rank + 1 leaves on every rank
+    assert check_prediction("sum", solutions(nproc)["predicted_sum"], measured, rtol=0.01) is True
+    if nproc > 1:
+        wrong = {"N (the health check)": nproc, "ranks from 0": nproc * (nproc - 1) // 2, "N squared": nproc**2}
+        for reasoning, value in wrong.items():
+            assert check_prediction("sum", value, measured, rtol=0.01) is False, reasoning
+    capsys.readouterr()
 
 
 def test_health_check_sees_every_rank():

@@ -1,41 +1,92 @@
-"""Notebook 00's exercises: the sum of the ranks and the list of ranks, their checkers and reference solutions."""
+"""Notebook 00's exercise checkers: a sum over ranks, a gather of every rank's value, and the desynced
+mean-loss logger. Each rank gets a secret value only it knows, drawn afresh for every call, so an answer
+without communication cannot be right; the checkers also count the calls each rank made.
+
+The solutions are in notebooks/solutions/00_torchrun_and_process_groups.py.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from course_lib.exercises import ExerciseFailed, expect_equal
+from course_lib.launch.runtime import rank_device
+from course_lib.process_groups.calls import gather_reports, record_calls, run_bounded, secret_values, side_group
+
+_CALLS = 3  # each checker calls the learner's function this many times, with new secrets every time
 
 
-def solution_rank_sum() -> int:
-    """Reference solution: 0 + 1 + ... + (world_size - 1), by one all_reduce of each rank's number."""
-    t = torch.tensor([dist.get_rank()])
-    dist.all_reduce(t)
-    return int(t.item())
+def _communicated(name: str, calls: list[Any]) -> None:
+    if not calls:
+        raise ExerciseFailed(
+            f"{name} called no torch.distributed function on rank {dist.get_rank()}: "
+            "the other ranks' values can only reach this rank through a collective"
+        )
 
 
-def solution_gather_ranks() -> list[int]:
-    """Reference solution: every rank's number, in rank order, by all_gather_object."""
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, dist.get_rank())
-    return out
-
-
-def check_rank_sum(fn: Callable[[], int | torch.Tensor]) -> None:
-    """fn() on every rank must return 0 + 1 + ... + (world_size - 1)."""
+def check_rank_sum(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """fn(value) on every rank must return the element-wise sum of every rank's `value`, by communicating."""
     n = dist.get_world_size()
-    got = fn()
-    expect_equal(
-        f"rank_sum() with world size {n}", int(got) if isinstance(got, torch.Tensor) else got, n * (n - 1) // 2
-    )
+    for call in range(_CALLS):
+        value = secret_values((3,)).to(rank_device())
+        expected = value.clone()
+        dist.all_reduce(expected)
+        with record_calls() as calls:
+            got = fn(value.clone())
+        _communicated("rank_sum", calls)
+        if not isinstance(got, torch.Tensor):
+            raise ExerciseFailed(f"rank_sum must return a tensor, got {type(got).__name__}")
+        expect_equal(f"rank_sum(value) on {n} ranks, call {call + 1} with new values", got.cpu(), expected.cpu())
 
 
-def check_gather_ranks(fn: Callable[[], list[int]]) -> None:
-    """fn() on every rank must return [0, 1, ..., world_size - 1] as a list of ints."""
-    got = fn()
-    if not isinstance(got, list):
-        raise ExerciseFailed(f"gather_ranks() must return a list, got {type(got).__name__}")
-    expect_equal("gather_ranks()", got, list(range(dist.get_world_size())))
+def check_gather_values(fn: Callable[[int], list[int]]) -> None:
+    """fn(value) on every rank must return [value of rank 0, value of rank 1, ...], by communicating."""
+    n = dist.get_world_size()
+    for call in range(_CALLS):
+        value = int(secret_values().item()) + 1000 * dist.get_rank()  # + 1000 rank: distinct even if draws collide
+        expected: list[Any] = [None] * n
+        dist.all_gather_object(expected, value)
+        with record_calls() as calls:
+            got = fn(value)
+        _communicated("gather_values", calls)
+        if not isinstance(got, list):
+            raise ExerciseFailed(f"gather_values must return a list, got {type(got).__name__}")
+        got = [int(v.item()) if isinstance(v, torch.Tensor) else v for v in got]
+        expect_equal(f"gather_values(value) on {n} ranks, call {call + 1} with new values", got, expected)
+
+
+def check_mean_loss(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """fn(loss) on every rank must return the mean of every rank's loss, with every rank making the same calls.
+
+    The broken version all-reduces on rank 0 only: rank 0 waits for partners that never come. The
+    learner's function runs with a short timeout, so that hang ends in seconds; then every rank compares
+    the calls each rank made, through a side group the learner's calls cannot desynchronise.
+    """
+    rank, n = dist.get_rank(), dist.get_world_size()
+    side = side_group()
+    loss = secret_values().reshape(1).to(rank_device()) / 4
+    expected = loss.clone()
+    dist.all_reduce(expected)
+    expected /= n
+    with record_calls() as calls:
+        got, error = run_bounded(fn, loss.clone())
+    names = [call.name for call in calls]
+    reports = gather_reports((names, None if error is None else type(error).__name__), side)
+    stuck = [r for r, (_, failed) in enumerate(reports) if failed]
+    if len({tuple(calls_of_rank) for calls_of_rank, _ in reports}) > 1:
+        made = "; ".join(f"rank {r}: {calls_of_rank or 'none'}" for r, (calls_of_rank, _) in enumerate(reports))
+        waited = f" (ranks {stuck} waited in vain until the timeout)" if stuck else ""
+        raise ExerciseFailed(
+            f"the ranks made different communication calls ({made}){waited}: "
+            "every rank must call the same collectives, in the same order"
+        )
+    if error is not None:
+        raise ExerciseFailed(f"mean_loss raised {type(error).__name__}: {str(error)[:200]}")
+    _communicated("mean_loss", calls)
+    if not isinstance(got, torch.Tensor):
+        raise ExerciseFailed(f"mean_loss must return a tensor, got {type(got).__name__}")
+    expect_equal(f"mean_loss(loss) on rank {rank} of {n}", got.reshape(-1).cpu(), expected.cpu())

@@ -1,0 +1,157 @@
+"""What the exercise checkers use to see that a learner's function communicated, and to end a hang.
+
+record_calls    while active, every torch.distributed communication call is recorded (name and peer), and
+                the forbidden ones raise: the checker sees which collectives and messages each rank used
+run_bounded     call the learner's function with a short process-group timeout: a collective some rank never
+                calls becomes an error on the stuck rank in seconds, instead of a hang
+gather_reports  every rank's report through a side gloo group, which the learner's calls cannot desynchronise
+secret_values   numbers only this rank knows: the right answer needs the other ranks' secrets
+"""
+
+from __future__ import annotations
+
+import datetime
+import random
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from course_lib.exercises import ExerciseFailed
+
+COLLECTIVES = (
+    "all_reduce",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
+    "all_gather",
+    "all_gather_single",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "gather",
+    "gather_object",
+    "scatter",
+    "scatter_object_list",
+    "broadcast",
+    "broadcast_object_list",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+)
+BLOCKING_P2P = ("send", "recv")
+NONBLOCKING_P2P = ("isend", "irecv", "batch_isend_irecv")
+
+
+@dataclass
+class Call:
+    """One communication call: its name and, for point-to-point, the peer rank."""
+
+    name: str
+    peer: int | None = None
+
+
+@dataclass
+class record_calls:
+    """``with record_calls(forbidden=...) as calls:`` wraps torch.distributed's communication functions.
+
+    `calls` lists every call the learner's code made (looked up as ``dist.<name>`` at call time, so
+    ``import torch.distributed as dist`` in the learner's function is seen). A forbidden call raises
+    ExerciseFailed with `advice`. With `bound_s`, a blocking send or recv raises after that many seconds.
+    """
+
+    forbidden: Iterable[str] = ()
+    advice: str = ""
+    bound_s: float | None = None
+    calls: list[Call] = field(default_factory=list)
+
+    def __enter__(self) -> list[Call]:
+        names = COLLECTIVES + BLOCKING_P2P + NONBLOCKING_P2P
+        self._saved = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
+        self._saved["P2POp"] = original_op = dist.P2POp
+        blocked = set(self.forbidden)
+        for name, original in list(self._saved.items())[:-1]:
+            setattr(dist, name, self._wrap(name, original, name in blocked))
+        # P2POp accepts only the real isend/irecv: hand it those behind the wrappers
+        dist.P2POp = _unwrapping(original_op)  # type: ignore[misc,assignment]
+        return self.calls
+
+    def _wrap(self, name: str, original: Callable, blocked: bool) -> Callable:
+        # send(tensor, dst), recv(tensor, src), and their i- forms: the peer is the second argument
+        peer_key = {"send": "dst", "recv": "src", "isend": "dst", "irecv": "src"}.get(name)
+        # A blocking send/recv, bounded: post it and wait at most bound_s (gloo's recv ignores the group timeout)
+        post = self._saved.get("i" + name) if name in BLOCKING_P2P and self.bound_s is not None else None
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if blocked:
+                raise ExerciseFailed(f"dist.{name} is not allowed here: {self.advice}")
+            peer = None
+            if peer_key is not None:
+                peer = kwargs.get(peer_key, args[1] if len(args) > 1 else None)
+            self.calls.append(Call(name, peer))
+            if post is None:
+                return original(*args, **kwargs)
+            work = post(*args, **kwargs)
+            if work is not None and work.wait(datetime.timedelta(seconds=float(self.bound_s or 0))) is False:
+                raise RuntimeError(f"dist.{name} timed out after {self.bound_s:g} s")
+            return peer
+
+        wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+        return wrapper
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+
+
+def _unwrapping(original_op: type[dist.P2POp]) -> Callable[..., dist.P2POp]:
+    def make(op: Callable, *args: Any, **kwargs: Any) -> dist.P2POp:
+        return original_op(getattr(op, "__wrapped__", op), *args, **kwargs)
+
+    return make
+
+
+def run_bounded(fn: Callable[..., Any], *args: Any, seconds: float = 8.0) -> tuple[Any, BaseException | None]:
+    """fn(*args) with the default group's timeout lowered to `seconds`: (result, None) or (None, the error).
+
+    A rank stuck in a collective that not every rank calls raises after `seconds` (gloo; NCCL's watchdog
+    aborts the rank instead), so a desynchronised answer fails fast. Blocking send/recv ignore this timeout
+    on gloo: bound them with record_calls(bound_s=...).
+    ExerciseFailed (a forbidden call) is raised, not returned.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), None)
+    try:
+        return fn(*args), None
+    except ExerciseFailed:
+        raise
+    except Exception as error:  # the learner's code: any error is a report, not a crash of the checker
+        return None, error
+    finally:
+        c10d._set_pg_timeout(datetime.timedelta(seconds=300), None)
+
+
+def side_group() -> dist.ProcessGroup:
+    """A gloo group of every rank, apart from the learner's: create it before calling the learner's function."""
+    group = dist.new_group(backend="gloo")
+    assert group is not None
+    return group
+
+
+def gather_reports(report: Any, group: dist.ProcessGroup) -> list[Any]:
+    """Every rank's `report` (any picklable value), in rank order, through the side group."""
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, report, group=group)
+    return out
+
+
+def secret_values(shape: tuple[int, ...] = ()) -> torch.Tensor:
+    """Whole numbers in [-50, 50] that differ between ranks and between calls (seeded by the OS, not the rank)."""
+    gen = torch.Generator().manual_seed(random.SystemRandom().randrange(2**31))
+    return torch.randint(-50, 51, shape, generator=gen).float()
