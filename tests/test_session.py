@@ -143,6 +143,10 @@ def test_start_state_persists_output_in_rank_order(kernel):
     assert out == "[0, 1]\n", (out, error)
     out, error = kernel.run("%px print(rank * 10)")
     assert out == by_rank("0", "10"), (out, error)
+    for code in ("%autopx", "w = rank * 2", "%autopx"):  # every cell on the ranks, until %autopx again
+        assert not kernel.run(code)[1], code
+    out, error = kernel.run("%px print(w)")
+    assert out == by_rank("0", "2"), (out, error)
     _, error = kernel.run("%dist start -n 2")
     assert "already running" in error and "%dist restart" in error, error
 
@@ -199,6 +203,16 @@ def test_interrupt_stops_the_ranks_cell(kernel):
     assert "sent SIGINT to every rank, which stopped the cell" in out + error, (out, error)
     out, error = kernel.run("%px print(z)")
     assert out == by_rank("5", "5"), (out, error)
+    # Ranks that do not stop on SIGINT: the session is restarted, and the cell says so.
+    timer = threading.Timer(3, kernel.km.interrupt_kernel)
+    timer.start()
+    out, error = kernel.run("%%px\nimport signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(60)")
+    timer.join()
+    assert "the session was restarted (fresh ranks: earlier variables are gone)" in out + error, (out, error)
+    _, error = kernel.run("%px z")
+    assert "NameError" in error, error
+    out, error = kernel.run("%px print(rank)")
+    assert out == by_rank("0", "1"), (out, error)
 
 
 def test_a_dead_rank_is_named_within_10_s(kernel):
