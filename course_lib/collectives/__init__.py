@@ -5,18 +5,13 @@
     cost       bytes sent per rank, bus factor, the alpha-beta model and its fit
     benchmark  timing collectives on every rank, the table of results
     figures    kernel-only: the ring simulated step by step, who holds what
-    checkers   the exercises' checkers and reference solutions
+    checkers   the exercises' checkers (solutions: notebooks/solutions/01_collectives.py)
 
 The notebook shows the two in-place ring phases from their module: collectives.ring._ring_reduce_scatter_.
 """
 
 from course_lib.collectives.benchmark import benchmark, collective_calls, format_table, human_bytes
-from course_lib.collectives.checkers import (
-    check_all_gather,
-    check_reduce_scatter,
-    solution_all_gather,
-    solution_reduce_scatter,
-)
+from course_lib.collectives.checkers import check_all_gather, check_pass_right, check_reduce_scatter, waiting_forever
 from course_lib.collectives.cost import alpha_beta_time, bus_factor, bytes_sent_per_rank, fit_alpha_beta
 from course_lib.collectives.figures import draw_holdings, draw_ring_step, ring_all_reduce_states
 from course_lib.collectives.p2p import record_steps, reset_traffic, send_recv, traffic
@@ -36,6 +31,7 @@ __all__ = [
     "bus_factor",
     "bytes_sent_per_rank",
     "check_all_gather",
+    "check_pass_right",
     "check_reduce_scatter",
     "chunk_offsets",
     "chunk_sizes",
@@ -54,7 +50,6 @@ __all__ = [
     "ring_reduce_scatter",
     "ring_step",
     "send_recv",
-    "solution_all_gather",
-    "solution_reduce_scatter",
     "traffic",
+    "waiting_forever",
 ]

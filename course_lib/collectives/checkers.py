@@ -1,10 +1,12 @@
-"""Notebook 01's exercises: a reduce-scatter and an all-gather from send/recv, their checkers and
-reference solutions. The checkers run on every rank, with torch's collectives switched off."""
+"""Notebook 01's exercise checkers: a reduce-scatter and an all-gather from send/recv (torch's collectives
+switched off while they run), and the deadlocking token pass to repair by ordering blocking send and recv.
+
+The solutions are in notebooks/solutions/01_collectives.py.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import TracebackType
 
 import torch
 import torch.distributed as dist
@@ -12,62 +14,18 @@ import torch.distributed as dist
 from course_lib.collectives.ring import chunk_sizes
 from course_lib.exercises import ExerciseFailed, expect_equal
 from course_lib.launch.runtime import rank_device
-
-# The solutions import inside their body: check() sends a function's source alone to the ranks.
-
-
-def solution_reduce_scatter(tensor: torch.Tensor) -> torch.Tensor:
-    """Reference solution of the exercise: this rank's chunk of the sum, from send/recv."""
-    from course_lib.collectives import ring_reduce_scatter
-
-    return ring_reduce_scatter(tensor)
-
-
-def solution_all_gather(chunk: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """Reference solution of the exercise: every rank's chunk in rank order, from send/recv."""
-    from course_lib.collectives import ring_all_gather
-
-    return ring_all_gather(chunk, sizes)
-
-
-_FORBIDDEN = (
-    "all_reduce",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_single",
-    "reduce_scatter_tensor",
-    "all_gather",
-    "all_gather_single",
-    "all_gather_into_tensor",
-    "gather",
-    "scatter",
-    "broadcast",
-    "all_to_all",
-    "all_to_all_single",
-    "all_gather_object",
+from course_lib.process_groups.calls import (
+    COLLECTIVES,
+    NONBLOCKING_P2P,
+    gather_reports,
+    record_calls,
+    run_bounded,
+    secret_values,
+    side_group,
 )
 
-
-class _OnlyPointToPoint:
-    """While active, torch's collectives raise: the exercise is to build one from send/recv."""
-
-    def __enter__(self) -> _OnlyPointToPoint:
-        self.saved = {name: getattr(dist, name) for name in _FORBIDDEN if hasattr(dist, name)}
-        for name in self.saved:
-
-            def refuse(*args: object, _name: str = name, **kwargs: object) -> None:
-                raise ExerciseFailed(
-                    f"dist.{_name} is not allowed here: use dist.send/recv, isend/irecv or batch_isend_irecv"
-                )
-
-            setattr(dist, name, refuse)
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
-    ) -> None:
-        for name, fn in self.saved.items():
-            setattr(dist, name, fn)
+_POINT_TO_POINT_ONLY = "use dist.send/recv, isend/irecv or batch_isend_irecv"
+_TIMEOUT_S = 8.0  # a deadlocked pass_right fails after this long
 
 
 # Sizes the checks try: divisible, not divisible, fewer elements than ranks are added per N.
@@ -90,7 +48,7 @@ def check_reduce_scatter(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         total = data.clone()
         dist.all_reduce(total)
         expected = torch.tensor_split(total, n)[rank]
-        with _OnlyPointToPoint():
+        with record_calls(forbidden=COLLECTIVES, advice=_POINT_TO_POINT_ONLY):
             got = fn(data.clone())
         expect_equal(
             f"reduce_scatter of {numel} elements on {n} ranks (chunk {rank})",
@@ -106,10 +64,69 @@ def check_all_gather(fn: Callable[[torch.Tensor, list[int]], torch.Tensor]) -> N
         full = _rank_data(numel, 0)  # the same on every rank: the expected answer
         sizes = chunk_sizes(numel, n)
         chunk = torch.tensor_split(full, n)[rank].clone()
-        with _OnlyPointToPoint():
+        with record_calls(forbidden=COLLECTIVES, advice=_POINT_TO_POINT_ONLY):
             got = fn(chunk, sizes)
         expect_equal(
             f"all_gather of {numel} elements on {n} ranks (chunk sizes {sizes})",
             got.reshape(-1) if isinstance(got, torch.Tensor) else got,
             full,
         )
+
+
+def waiting_forever(calls: list[list[tuple[str, int | None]]]) -> list[int]:
+    """Replay each rank's blocking sends and recvs as if every send waited for its matching recv (as NCCL
+    and large messages do): the ranks left waiting, [] if the order completes."""
+    done = [0] * len(calls)
+
+    def next_call(rank: int) -> tuple[str, int | None] | None:
+        return calls[rank][done[rank]] if done[rank] < len(calls[rank]) else None
+
+    progress = True
+    while progress:
+        progress = False
+        for rank in range(len(calls)):
+            call = next_call(rank)
+            if call is None or call[0] != "send" or call[1] is None or not 0 <= call[1] < len(calls):
+                continue
+            peer = call[1]
+            if next_call(peer) in (("recv", rank), ("recv", None)):
+                done[rank] += 1
+                done[peer] += 1
+                progress = True
+    return [rank for rank in range(len(calls)) if next_call(rank) is not None]
+
+
+def _describe(calls: list[tuple[str, int | None]]) -> str:
+    return ", ".join(f"{name} {'to' if name == 'send' else 'from'} {peer}" for name, peer in calls) or "nothing"
+
+
+def check_pass_right(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """fn(token) on every rank must return the left neighbour's token, using blocking send/recv only, in an
+    order that cannot deadlock: it must end in time here, and also when a send waits for its receiver."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    side = side_group()
+    token = secret_values((4,)).to(rank_device())
+    tokens = [torch.empty_like(token) for _ in range(n)]
+    dist.all_gather(tokens, token)
+    advice = "the exercise is to fix the order of the blocking dist.send and dist.recv"
+    with record_calls(forbidden=COLLECTIVES + NONBLOCKING_P2P, advice=advice, bound_s=_TIMEOUT_S) as recorded:
+        got, error = run_bounded(fn, token.clone(), seconds=_TIMEOUT_S)
+    calls = [(call.name, None if call.peer is None else int(call.peer)) for call in recorded]
+    reports = gather_reports((calls, error is not None), side)
+    made = "; ".join(f"rank {r}: {_describe(c)}" for r, (c, _) in enumerate(reports))
+    stuck = [r for r, (_, failed) in enumerate(reports) if failed]
+    if stuck:
+        raise ExerciseFailed(f"deadlock: ranks {stuck} still waited after {_TIMEOUT_S:g} s. Calls in order: {made}")
+    waiting = waiting_forever([c for c, _ in reports])
+    if waiting:
+        raise ExerciseFailed(
+            f"this order finished only because the sends were buffered; if a send waits for its "
+            f"receiver (NCCL, large tensors), ranks {waiting} wait forever. Calls in order: {made}"
+        )
+    if not isinstance(got, torch.Tensor):
+        raise ExerciseFailed(f"pass_right must return a tensor, got {type(got).__name__}")
+    expect_equal(
+        f"pass_right on rank {rank} of {n} (the token of rank {(rank - 1) % n})",
+        got.cpu(),
+        tokens[(rank - 1) % n].cpu(),
+    )
