@@ -94,7 +94,7 @@ def alive_workers(run: RunDir) -> list[int]:
     return alive
 
 
-def _kill_group(pgid: int, sig: int) -> None:
+def kill_group(pgid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
 
@@ -102,13 +102,13 @@ def _kill_group(pgid: int, sig: int) -> None:
 def end_run(proc: subprocess.Popen, run: RunDir, grace_s: float = 3.0) -> None:
     """End the agent and every worker of one run; return when none is left."""
     if proc.poll() is None:
-        _kill_group(proc.pid, signal.SIGTERM)  # the agent stops its workers on SIGTERM
+        kill_group(proc.pid, signal.SIGTERM)  # the agent stops its workers on SIGTERM
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(grace_s)
-    _kill_group(proc.pid, signal.SIGKILL)
+    kill_group(proc.pid, signal.SIGKILL)
     # Workers run in sessions of their own (pgid == pid): their groups include their children.
     for pid in run.pids():
-        _kill_group(pid, signal.SIGKILL)
+        kill_group(pid, signal.SIGKILL)
     if proc.poll() is None:
         proc.wait(5)
     deadline = time.monotonic() + 5

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from course_lib.launch.processes import _kill_group, agent_env
+from course_lib.launch.processes import agent_env, kill_group
 from course_lib.launch.spec import RunSpec
 
 CLUSTER_ID = "session"
@@ -149,7 +149,7 @@ def end(procs: list[subprocess.Popen], folder: SessionDir) -> None:
     """End the agent, every engine and the controller (SIGKILL: no state to save); return when none is left."""
     pids = list(folder.rank_pids().values())
     for pgid in [proc.pid for proc in procs] + pids:  # engines run in sessions of their own (torchrun's)
-        _kill_group(pgid, signal.SIGKILL)
+        kill_group(pgid, signal.SIGKILL)
     for proc in procs:
         proc.wait(5)
     deadline = time.monotonic() + 5
