@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import runpy
 from pathlib import Path
 
 import pytest
@@ -33,20 +34,33 @@ def test_resharding_4_to_2_to_3_and_to_one_process(tmp_path):
         for rank, got in enumerate(results):
             assert got["steps"] == {"dcp": 2, "mine": 2, "snapshot": 2}, rank
         if source == 4:  # 4 -> 2: rank 0 reads saved shards 0 and 1 of a 64-row weight, rank 1 reads 2 and 3
-            assert results[0]["files_read"]["app/model/0.weight"] == ["shard_0.pt", "shard_1.pt"]
-            assert results[1]["files_read"]["app/model/0.weight"] == ["shard_2.pt", "shard_3.pt"]
+            assert results[0]["files_read"]["app/model/0.weight"] == ["shard_0.bin", "shard_1.bin"]
+            assert results[1]["files_read"]["app/model/0.weight"] == ["shard_2.bin", "shard_3.bin"]
         else:  # 2 -> 3: the middle rank straddles the boundary of the two saved shards
             assert [r["files_read"]["app/model/0.weight"] for r in results] == [
-                ["shard_0.pt"],
-                ["shard_0.pt", "shard_1.pt"],
-                ["shard_1.pt"],
+                ["shard_0.bin"],
+                ["shard_0.bin", "shard_1.bin"],
+                ["shard_1.bin"],
             ]
+        # each rank read its rows of every sharded tensor (S = 12 P together) and every replicated tensor
+        metadata = json.loads((tmp_path / f"mine_{source}" / "step_2" / ck.METADATA).read_text())
+        replicated = sum(
+            (e["shape"][0] if e["shape"] else 1) * ck.row_bytes(e["shape"], getattr(torch, e["dtype"]))
+            for e in metadata["tensors"].values()
+            if not e["sharded"]
+        )
+        state_bytes = 12 * sum(p.numel() for p in MLP().parameters())
+        assert sum(r["row_bytes"] for r in results) == state_bytes + nproc * replicated
+        for got in results:
+            # S/M up to torch.chunk's rounding: ceil(R/M) rows per rank, the last ranks fewer (7% at M = 3)
+            assert abs(got["row_bytes"] - replicated - state_bytes / nproc) <= 0.1 * state_bytes / nproc
     snapshot = torch.load(tmp_path / "snapshot.pt", weights_only=True)
     assert [n for n, _ in ck.files_of(tmp_path / "mine_3" / "step_2")] == [
         "metadata.json",
-        "shard_0.pt",
-        "shard_1.pt",
-        "shard_2.pt",
+        "objects.pt",
+        "shard_0.bin",
+        "shard_1.bin",
+        "shard_2.bin",
     ]
     assert [n for n, _ in ck.files_of(tmp_path / "dcp_3" / "step_2")] == [
         ".metadata",
@@ -83,16 +97,22 @@ def test_verify_names_the_file_and_the_problem(tmp_path):
     good = small_checkpoint(tmp_path, 1)
     assert ck.verify(good)["step"] == 1
     truncated = small_checkpoint(tmp_path, 2)
-    shard = truncated / "shard_0.pt"
+    shard = truncated / "shard_0.bin"
     shard.write_bytes(shard.read_bytes()[:100])
-    with pytest.raises(ck.CheckpointError, match=r"^step_2/shard_0.pt: truncated or overwritten: 100 bytes"):
+    with pytest.raises(ck.CheckpointError, match=r"^step_2/shard_0.bin: truncated or overwritten: 100 bytes"):
         ck.verify(truncated)
+    with pytest.raises(ck.CheckpointError, match=r"^step_2/shard_0.bin: 100 bytes, metadata records"):
+        ck.load_sharded(truncated, {"model": MLP().state_dict(), "step": 0})  # a stat, before any read
     flipped = small_checkpoint(tmp_path, 3)
-    data = bytearray((flipped / "shard_0.pt").read_bytes())
-    data[-100] ^= 0xFF
-    (flipped / "shard_0.pt").write_bytes(bytes(data))
-    with pytest.raises(ck.CheckpointError, match=r"^step_3/shard_0.pt: corrupt: SHA-256"):
+    data = bytearray((flipped / "shard_0.bin").read_bytes())
+    data[-100] ^= 0xFF  # in the last row of the last tensor (the output bias)
+    (flipped / "shard_0.bin").write_bytes(bytes(data))
+    with pytest.raises(ck.CheckpointError, match=r"^step_3/shard_0.bin: corrupt: SHA-256"):
         ck.verify(flipped)
+    with pytest.raises(ck.CheckpointError, match=r"^step_3/shard_0.bin: corrupt: row \d+ fails its CRC-32"):
+        ck.load_sharded(flipped, {"model": MLP().state_dict(), "step": 0})  # the loader checks what it reads
+    loaded = ck.load_sharded(good, {"model": MLP().state_dict(), "step": 0})
+    assert loaded.row_bytes == 4 * sum(p.numel() for p in MLP().parameters())  # one process: every row, once
     unfinished = small_checkpoint(tmp_path, 4)
     (unfinished / ck.METADATA).unlink()
     with pytest.raises(ck.CheckpointError, match=r"^step_4/metadata.json: missing; the save did not finish"):
@@ -212,26 +232,11 @@ def wrong_crashes_on_missing_root(root):
     return None
 
 
-def find_latest_complete(root):
-    import os
-    import re
-
-    from course_lib import checkpoint
-
-    if not os.path.isdir(root):
-        return None
-    steps = sorted((int(m.group(1)) for n in os.listdir(root) if (m := re.fullmatch(r"step_(\d+)", n))), reverse=True)
-    for step in steps:
-        try:
-            checkpoint.verify(os.path.join(root, f"step_{step}"))
-            return os.path.join(root, f"step_{step}")
-        except checkpoint.CheckpointError:
-            continue
-    return None
+SOLUTIONS = runpy.run_path(str(Path(__file__).resolve().parents[1] / "notebooks" / "solutions" / "05_checkpointing.py"))
+find_latest_complete = SOLUTIONS["find_latest_complete"]
 
 
 def test_exercise_checker_in_process():
-    ck.check_find_latest_complete(ck.reference_find_latest_complete)
     ck.check_find_latest_complete(find_latest_complete)
     for wrong, message in (
         (wrong_string_order, "step_10 is newer than step_9: expected 'step_10', got 'step_9'"),
@@ -250,3 +255,33 @@ def test_exercise_check_on_ranks(capsys):
     assert re.search(
         r"✗ wrong_string_order: rank [01]: step_10 is newer than step_9: expected 'step_10', got 'step_9'", out
     )
+
+
+def test_resume_exercise_checker_on_ranks():
+    verdicts = run(rank_programs.resume_verdicts, 3, timeout=240)
+    for rank, got in enumerate(verdicts):
+        assert got["resume_step"] == "passed", (rank, got)
+    anywhere = {name: [v[name] for v in verdicts if v[name] != "passed"] for name in verdicts[0]}
+    # each wrong answer is rejected on at least one rank, with the case that exposes it
+    assert re.fullmatch(
+        r"case 'rank 0 sees step_\d+ committed, the others do not yet': returned step 4, rank 0 resumes from step \d+",
+        anywhere["resume_alone"][0],
+    ), anywhere
+    assert anywhere["resume_newest_anyone_has"][0].startswith("case 'rank 0's step_"), anywhere
+    assert "rank 0 resumes from step 2" in anywhere["resume_newest_anyone_has"][0]
+    assert anywhere["resume_oldest_everyone_has"][0].startswith("case 'rank 0 sees step_"), anywhere
+
+
+@pytest.mark.parametrize("saved, loading", [(2, 3), (3, 2), (4, 2)])
+def test_prediction_of_bytes_read_per_loading_rank(saved, loading, capsys):
+    """Exercise 1: S/M passes at every NOTEBOOK layout; S/N (the saving world), 4P/M and S fail."""
+    from course_lib.exercises import check_prediction
+
+    parameters = sum(p.numel() for p in MLP().parameters())
+    spans = [ck.shard_rows(p.shape[0], loading, 0) for p in MLP().parameters()]
+    measured = 3 * sum((stop - start) * p[0].numel() * 4 for (start, stop), p in zip(spans, MLP().parameters()))
+    predict = SOLUTIONS["predicted_row_bytes"]
+    assert check_prediction("rows", predict(parameters, loading), measured, rtol=0.05) is True
+    for wrong in (12 * parameters / saved, 4 * parameters / loading, 12 * parameters):
+        assert check_prediction("rows", wrong, measured, rtol=0.05) is False, wrong
+    assert "too" in capsys.readouterr().out

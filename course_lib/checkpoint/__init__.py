@@ -6,17 +6,19 @@ Three ways to save an FSDP2-sharded training state, from the simplest to what la
     dcp         torch.distributed.checkpoint with an AppState: every rank writes its shards in parallel,
                 loading reshards onto any world size; AsyncCheckpointer saves in the background
     sharded     the same idea from scratch (save_sharded / load_sharded), so DCP's files stop being magic
+    raw_rows    its shard files: raw rows with a CRC-32 each; reads that fetch and check only a rank's rows
     atomic      every save writes step_N.tmp and renames it to step_N when complete: complete or absent
     integrity   verify (sizes, checksums) and latest_complete: resume from the newest good checkpoint
     train       the shared FSDP2 model and steps, the fault-tolerant loop (train_resumable), save stalls
-    checkers    the exercise: find the newest complete checkpoint
+    checkers    the exercises: find the newest complete checkpoint; agree on it across ranks
 """
 
 from course_lib.checkpoint.atomic import FORMAT, METADATA, CheckpointError
-from course_lib.checkpoint.checkers import check_find_latest_complete, reference_find_latest_complete
+from course_lib.checkpoint.checkers import check_agreed_resume_step, check_find_latest_complete
 from course_lib.checkpoint.dcp import AppState, AsyncCheckpointer, dcp_load, dcp_save
 from course_lib.checkpoint.integrity import files_of, latest_complete, verify
-from course_lib.checkpoint.sharded import flat_tensors, load_sharded, read_plan, save_sharded, shard_rows
+from course_lib.checkpoint.raw_rows import bytes_read_by_process, row_bytes
+from course_lib.checkpoint.sharded import Loaded, flat_tensors, load_sharded, read_plan, save_sharded, shard_rows
 from course_lib.checkpoint.snapshot import load_full_snapshot, save_full_snapshot
 from course_lib.checkpoint.train import (
     batch_for_step,
@@ -36,7 +38,10 @@ __all__ = [
     "AppState",
     "AsyncCheckpointer",
     "CheckpointError",
+    "Loaded",
     "batch_for_step",
+    "bytes_read_by_process",
+    "check_agreed_resume_step",
     "check_find_latest_complete",
     "dcp_load",
     "dcp_save",
@@ -50,7 +55,7 @@ __all__ = [
     "local_state",
     "make_optimizer",
     "read_plan",
-    "reference_find_latest_complete",
+    "row_bytes",
     "save_full_snapshot",
     "save_sharded",
     "shard_rows",

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-FORMAT = "course_lib.checkpoint/1"
+FORMAT = "course_lib.checkpoint/2"  # 2: raw rows with a CRC-32 each, objects.pt
 METADATA = "metadata.json"
+OBJECTS = "objects.pt"  # the Python values of a state (rank 0 writes them; every loading rank reads them)
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
 

@@ -1,14 +1,17 @@
 """A sharded checkpointer from scratch: each rank writes its rows, rank 0 the metadata, any world size loads.
 
-The same idea as DCP in about 200 lines, so the files DCP writes stop being magic. Only DTensors sharded
+The same idea as DCP in about 250 lines, so the files DCP writes stop being magic. Only DTensors sharded
 on dim 0 over the whole world (what FSDP2 makes) are supported; :func:`shard_rows` is their rule and
 :func:`read_plan` says which saved files a loading rank reads.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +22,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from course_lib.checkpoint.atomic import (
     FORMAT,
     METADATA,
+    OBJECTS,
     CheckpointError,
     _barrier,
     _commit,
@@ -27,6 +31,7 @@ from course_lib.checkpoint.atomic import (
     _sha256,
 )
 from course_lib.checkpoint.integrity import verify
+from course_lib.checkpoint.raw_rows import read_rows, read_whole, write_rows
 
 
 def shard_rows(n_rows: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -85,61 +90,68 @@ def _materialize(state: dict[str, Any]) -> dict[str, Any]:
 def save_sharded(root: str | os.PathLike, step: int, state: dict[str, Any], *, no_dist: bool = False) -> Path:
     """Save `state` (nested dicts of DTensors sharded on dim 0, plain tensors and Python values) as step_N.
 
-    Rank r writes shard_r.pt with its rows of every DTensor; rank 0 also writes the plain tensors and
-    values, which are the same on every rank. Rank 0 then writes metadata.json (shapes, dtypes, which file
-    holds which rows, each file's size and SHA-256) and renames step_N.tmp to step_N: the commit.
+    Rank r writes shard_r.bin: the raw bytes of its rows of every DTensor; rank 0 also writes the plain
+    tensors there (they are the same on every rank) and the Python values to objects.pt. Rank 0 then
+    writes metadata.json (shapes, dtypes, which file holds which rows at which offset, a CRC-32 per row,
+    each file's size and SHA-256) and renames step_N.tmp to step_N: the commit.
     Without a process group (or with no_dist=True), the calling process is a world of one.
     """
     from torch.distributed.tensor import DTensor
 
     rank, world_size = _rank_world(no_dist)
     partial, final = _prepare(Path(root), step, no_dist)
-    mine: dict[str, torch.Tensor] = {}
     objects: dict[str, Any] = {}
     entries: dict[str, dict[str, Any]] = {}
-    for name, value in _flatten(_materialize(state)).items():
-        if isinstance(value, DTensor):
-            start, stop = shard_rows(value.shape[0], world_size, rank)
-            local = value.to_local()
-            if local.shape[0] != stop - start:
-                raise CheckpointError(
-                    f"{name}: rank {rank} holds {local.shape[0]} rows, expected {stop - start} "
-                    "(only dim-0 sharding over the whole world is supported)"
-                )
-            mine[name] = local.detach().cpu().clone()
-            chunks: list[dict[str, Any]] = [
-                {"file": f"shard_{r}.pt", "rows": list(shard_rows(value.shape[0], world_size, r))}
-                for r in range(world_size)
-            ]
-        elif isinstance(value, torch.Tensor):
-            if rank == 0:
-                mine[name] = value.detach().cpu().clone()
+    mine: dict[str, dict[str, Any]] = {}  # name -> this rank's chunk: offset and row checksums
+    shard = partial / f"shard_{rank}.bin"
+    with open(shard, "wb") as f:
+        for name, value in _flatten(_materialize(state)).items():
+            if isinstance(value, DTensor):
+                start, stop = shard_rows(value.shape[0], world_size, rank)
+                local = value.to_local()
+                if local.shape[0] != stop - start:
+                    raise CheckpointError(
+                        f"{name}: rank {rank} holds {local.shape[0]} rows, expected {stop - start} "
+                        "(only dim-0 sharding over the whole world is supported)"
+                    )
+                mine[name] = write_rows(f, local)
+                holders = range(world_size)
+            elif isinstance(value, torch.Tensor):
+                if rank == 0:
+                    mine[name] = write_rows(f, value, whole=True)  # every loading rank reads it whole
+                holders = range(1)
+            else:
+                objects[name] = value
+                continue
             rows = value.shape[0] if value.dim() else 1
-            chunks = [{"file": "shard_0.pt", "rows": [0, rows]}]
-        else:
-            objects[name] = value
-            continue
-        entries[name] = {
-            "shape": list(value.shape),
-            "dtype": str(value.dtype).removeprefix("torch."),
-            "chunks": [c for c in chunks if c["rows"][0] < c["rows"][1] or value.dim() == 0],
-        }
-    shard = partial / f"shard_{rank}.pt"
-    torch.save({"tensors": mine, "objects": objects if rank == 0 else {}}, shard)
-    with open(shard, "rb+") as f:
+            spans = [(r, shard_rows(rows, len(holders), r)) for r in holders]
+            entries[name] = {
+                "shape": list(value.shape),
+                "dtype": str(value.dtype).removeprefix("torch."),
+                "sharded": isinstance(value, DTensor),  # False: every loading rank reads it whole
+                "chunks": [{"file": f"shard_{r}.bin", "rows": list(span)} for r, span in spans if span[0] < span[1]],
+            }
+        f.flush()
         os.fsync(f.fileno())  # on disk before the commit can claim it is
-    info = {"file": shard.name, "bytes": shard.stat().st_size, "sha256": _sha256(shard)}
-    files: list[Any] = [None] * world_size
-    if world_size > 1:
-        dist.all_gather_object(files, info)
-    else:
-        files = [info]
     if rank == 0:
+        torch.save(objects, partial / OBJECTS)
+    gathered: list[Any] = [None] * world_size
+    info = (shard.name, shard.stat().st_size, _sha256(shard), mine)
+    if world_size > 1:
+        dist.all_gather_object(gathered, info)
+    else:
+        gathered = [info]
+    if rank == 0:
+        gathered.append((OBJECTS, (partial / OBJECTS).stat().st_size, _sha256(partial / OBJECTS), {}))
+        for file, _, _, chunks in gathered:
+            for name, chunk in chunks.items():  # a rank that holds no rows of a tensor has no chunk of it
+                for listed in (c for c in entries[name]["chunks"] if c["file"] == file):
+                    listed.update(chunk)
         metadata = {
             "format": FORMAT,
             "step": step,
             "world_size": world_size,
-            "files": {f["file"]: {"bytes": f["bytes"], "sha256": f["sha256"]} for f in files},
+            "files": {file: {"bytes": size, "sha256": sha} for file, size, sha, _ in gathered},
             "tensors": entries,
         }
         (partial / METADATA).write_text(json.dumps(metadata, indent=1))  # the last file of the checkpoint
@@ -148,31 +160,39 @@ def save_sharded(root: str | os.PathLike, step: int, state: dict[str, Any], *, n
     return final
 
 
-def load_sharded(directory: str | os.PathLike, state: dict[str, Any]) -> dict[str, list[str]]:
+@dataclass
+class Loaded:
+    """What one rank read: per tensor the files it read rows from, and the bytes it read in all.
+
+    `bytes_read` = metadata.json + objects.pt + `row_bytes`, the bytes of the rows this rank holds.
+    """
+
+    files: dict[str, list[str]]
+    bytes_read: int
+    row_bytes: int
+
+
+def load_sharded(directory: str | os.PathLike, state: dict[str, Any]) -> Loaded:
     """Fill `state` (same structure as when saved, at *any* world size) from a checkpoint, in place.
 
     DTensors get the rows this rank holds now, read from whichever saved shards overlap them
     (:func:`read_plan`); plain tensors get the whole tensor; Python values are replaced. Stateful
     values are loaded through their `state_dict()` template and `load_state_dict()`, like DCP.
-    Returns, per tensor, the files this rank read: resharding made visible.
+    Each rank reads only metadata.json, objects.pt and its own rows, and verifies what it reads: the
+    SHA-256 of objects.pt, the CRC-32 of every row. (`verify` is the whole-checkpoint check.)
     """
     from torch.distributed.tensor import DTensor
 
     directory = Path(directory)
-    metadata = verify(directory)
-    if metadata["format"] != FORMAT:
-        raise CheckpointError(f"{directory.name}: a DCP checkpoint; load it with dcp.load")
+    counter = [0]
+    metadata = _read_metadata(directory, counter)
     rank, world_size = _rank_world()
-    opened: dict[str, dict] = {}
-
-    def shard(file: str) -> dict:
-        if file not in opened:  # mmap: only the rows read are paged in
-            opened[file] = torch.load(directory / file, map_location="cpu", weights_only=True, mmap=True)
-        return opened[file]
-
-    materialized = _materialize(state)
-    flat = _flatten(materialized)
-    objects = shard("shard_0.pt")["objects"]
+    objects_file = read_whole(directory / OBJECTS, counter)
+    if hashlib.sha256(objects_file).hexdigest() != metadata["files"][OBJECTS]["sha256"]:
+        raise CheckpointError(f"{directory.name}/{OBJECTS}: corrupt: SHA-256 differs from the metadata")
+    objects = torch.load(io.BytesIO(objects_file), weights_only=True)
+    header = counter[0]
+    flat = _flatten(_materialize(state))
     missing = [n for n, t in flat.items() if isinstance(t, torch.Tensor) and n not in metadata["tensors"]]
     if missing:
         raise CheckpointError(
@@ -207,11 +227,11 @@ def load_sharded(directory: str | os.PathLike, state: dict[str, Any]) -> dict[st
             lo, hi = max(start, chunk["rows"][0]), min(stop, chunk["rows"][1])
             if lo >= hi:
                 continue
-            saved = shard(chunk["file"])["tensors"][name]
+            rows = read_rows(directory, chunk, entry, lo, hi, counter)
             if target.dim() == 0:
-                local.copy_(saved)
+                local.copy_(rows)
             else:
-                local[lo - start : hi - start].copy_(saved[lo - chunk["rows"][0] : hi - chunk["rows"][0]])
+                local[lo - start : hi - start].copy_(rows)
             files_read[name].append(chunk["file"])
     loaded = _unflatten(flat)
     for key, value in state.items():
@@ -219,7 +239,25 @@ def load_sharded(directory: str | os.PathLike, state: dict[str, Any]) -> dict[st
             value.load_state_dict(loaded[key])
         else:
             state[key] = loaded[key]
-    return files_read
+    return Loaded(files=files_read, bytes_read=counter[0], row_bytes=counter[0] - header)
+
+
+def _read_metadata(directory: Path, counter: list[int]) -> dict[str, Any]:
+    """metadata.json of a committed checkpoint of ours, and the sizes of the files it lists (stat only)."""
+    if directory.name.endswith(".tmp") or not (directory / METADATA).exists():
+        verify(directory)  # raises the message for a missing, uncommitted or unfinished checkpoint
+        raise CheckpointError(f"{directory.name}: a DCP checkpoint; load it with dcp.load")
+    try:
+        metadata = json.loads(read_whole(directory / METADATA, counter))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{directory.name}/{METADATA}: unreadable ({error})") from None
+    if metadata.get("format") != FORMAT:
+        raise CheckpointError(f"{directory.name}/{METADATA}: format {metadata.get('format')!r}, expected {FORMAT!r}")
+    for file, expected in metadata["files"].items():
+        size = (directory / file).stat().st_size if (directory / file).exists() else None
+        if size != expected["bytes"]:
+            raise CheckpointError(f"{directory.name}/{file}: {size} bytes, metadata records {expected['bytes']}")
+    return metadata
 
 
 def flat_tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -1,8 +1,9 @@
-"""Rank programs of tests/test_checkpoint.py: resharding N -> M, and kill-and-resume."""
+"""Rank programs of tests/test_checkpoint.py: resharding N -> M, kill-and-resume, the resume exercise's checker."""
 
 from __future__ import annotations
 
 import os
+import runpy
 from pathlib import Path
 
 import torch
@@ -34,7 +35,8 @@ def reshard(rank: int, world_size: int, *, root: str, source: int | None) -> dic
         mine_model = ck.sharded_mlp(seed=9)
         mine_optimizer = ck.make_optimizer(mine_model)
         mine = ck.AppState(mine_model, mine_optimizer)
-        result["files_read"] = ck.load_sharded(base / f"mine_{source}" / "step_2", {"app": mine})
+        loaded = ck.load_sharded(base / f"mine_{source}" / "step_2", {"app": mine})
+        result["files_read"], result["row_bytes"] = loaded.files, loaded.row_bytes
         states["mine"] = ck.full_state(mine_model, mine_optimizer)
         snapshot_model = ck.sharded_mlp(seed=10)
         snapshot_optimizer = ck.make_optimizer(snapshot_model)
@@ -69,3 +71,49 @@ def kill_and_resume(rank: int, world_size: int, *, root: str) -> dict:
     )
     equal = torch.equal(ck.local_state(model, optimizer), ck.local_state(reference_model, reference_optimizer))
     return {"resumed_from": resumed_from, "bitwise_equal": equal}
+
+
+SOLUTIONS = Path(__file__).resolve().parents[2] / "notebooks" / "solutions" / "05_checkpointing.py"
+
+# Answers to the resume exercise that the checker must reject, each for its own reason.
+
+
+def resume_alone(root: str) -> int | None:
+    """The broken program of the exercise: each rank decides from its own view."""
+    found, _ = ck.latest_complete(root)
+    return None if found is None else int(found.name.removeprefix("step_"))
+
+
+def resume_newest_anyone_has(root: str) -> int | None:
+    """Communicates, but takes the newest step any rank sees: a step rank 0 cannot load."""
+    import torch.distributed as dist
+
+    views: list = [None] * dist.get_world_size()
+    dist.all_gather_object(views, resume_alone(root))
+    steps = [v for v in views if v is not None]
+    return max(steps) if steps else None
+
+
+def resume_oldest_everyone_has(root: str) -> int | None:
+    """Communicates, but takes the oldest: the ranks agree, on a step older than rank 0's good one."""
+    import torch.distributed as dist
+
+    views: list = [None] * dist.get_world_size()
+    dist.all_gather_object(views, resume_alone(root))
+    return None if None in views else min(views)
+
+
+def resume_verdicts(rank: int, world_size: int) -> dict:
+    """The resume checker against the solution and the wrong answers: 'passed' or the message, per candidate."""
+    candidates = [runpy.run_path(str(SOLUTIONS))["resume_step"], resume_alone]
+    candidates += [resume_newest_anyone_has, resume_oldest_everyone_has]
+    verdicts = {}
+    for candidate in candidates:
+        try:
+            ck.check_agreed_resume_step(candidate)
+            verdicts[candidate.__name__] = "passed"
+        except ck.CheckpointError as error:
+            verdicts[candidate.__name__] = f"raised {error}"
+        except AssertionError as failure:  # ExerciseFailed
+            verdicts[candidate.__name__] = str(failure)
+    return verdicts
