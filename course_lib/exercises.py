@@ -2,7 +2,7 @@
 
 In the notebook::
 
-    def rank_sum():
+    def rank_sum(value):
         ...                        # the learner's code
     check(rank_sum, process_groups.check_rank_sum, nproc=NPROC)
 
