@@ -232,7 +232,7 @@ def wrong_crashes_on_missing_root(root):
     return None
 
 
-SOLUTIONS = runpy.run_path(str(Path(__file__).resolve().parents[1] / "notebooks" / "solutions" / "05_checkpointing.py"))
+SOLUTIONS = runpy.run_path(str(Path(__file__).resolve().parents[1] / "notebooks" / "solutions" / "06_checkpointing.py"))
 find_latest_complete = SOLUTIONS["find_latest_complete"]
 
 

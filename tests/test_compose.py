@@ -1,4 +1,4 @@
-"""Notebook 09's library: the rank grid, the planner's formulas, the exercise checker on real ranks."""
+"""Notebook 11's library: the rank grid, the planner's formulas, the exercise checker on real ranks."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from course_lib import compose
 from course_lib.compare import max_difference
 from course_lib.exercises import check, check_prediction
 
-SOLUTIONS = runpy.run_path(str(Path(__file__).parents[1] / "notebooks/solutions/09_composing_parallelism.py"))
+SOLUTIONS = runpy.run_path(str(Path(__file__).parents[1] / "notebooks/solutions/11_composing_parallelism.py"))
 
 
 def test_rank_grid_matches_coordinates_and_keeps_tp_innermost():

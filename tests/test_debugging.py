@@ -18,7 +18,7 @@ from course_lib.launch import RankFailedError
 from tests.rank_programs import debugging as programs
 from tests.rank_programs import run
 
-SOLUTIONS = Path(__file__).resolve().parents[1] / "notebooks" / "solutions" / "10_debugging_and_monitoring.py"
+SOLUTIONS = Path(__file__).resolve().parents[1] / "notebooks" / "solutions" / "12_debugging_and_monitoring.py"
 
 
 def test_debugger_scenarios_on_three_ranks():

@@ -11,7 +11,7 @@ from course_lib.models import TransformerBlock
 from tests.rank_programs import run
 from tests.rank_programs import tensor_parallel as rank_programs
 
-SOLUTIONS = runpy.run_path(str(Path(__file__).parent.parent / "notebooks" / "solutions" / "06_tensor_parallel.py"))
+SOLUTIONS = runpy.run_path(str(Path(__file__).parent.parent / "notebooks" / "solutions" / "07_tensor_parallel.py"))
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])

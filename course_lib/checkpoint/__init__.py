@@ -1,4 +1,4 @@
-"""Notebook 05: distributed checkpoints: a rank-0 snapshot, torch's DCP, and a sharded checkpointer of our own.
+"""Notebook 06: distributed checkpoints: a rank-0 snapshot, torch's DCP, and a sharded checkpointer of our own.
 
 Three ways to save an FSDP2-sharded training state, from the simplest to what large jobs use:
 

@@ -1,6 +1,6 @@
-"""Notebook 05's exercise checkers: find the newest complete checkpoint; agree on it across ranks.
+"""Notebook 06's exercise checkers: find the newest complete checkpoint; agree on it across ranks.
 
-The solutions are in notebooks/solutions/05_checkpointing.py; the expected answers are
+The solutions are in notebooks/solutions/06_checkpointing.py; the expected answers are
 built into each case's directories.
 """
 

@@ -1,7 +1,7 @@
-"""Each parallelism of notebook 09 as a function applied to a model over one mesh dimension.
+"""Each parallelism of notebook 11 as a function applied to a model over one mesh dimension.
 
-:func:`apply_tp` (tensor parallel, notebook 06), :func:`apply_fsdp` (FSDP2 or HSDP, notebook 03),
-:func:`stage_blocks` (a pipeline stage, notebook 07), on a stack of the course's transformer blocks.
+:func:`apply_tp` (tensor parallel, notebook 07), :func:`apply_fsdp` (FSDP2 or HSDP, notebook 03),
+:func:`stage_blocks` (a pipeline stage, notebook 08), on a stack of the course's transformer blocks.
 The composed model must train exactly as one process does: :func:`reference_grads` is that process,
 :func:`unsharded_gradients` what a rank compares with it.
 """
@@ -35,7 +35,7 @@ def make_batch(
 
 
 def apply_tp(blocks: nn.Sequential, tp_mesh: DeviceMesh) -> nn.Sequential:
-    """Tensor parallel inside every block (q/k/v/up column-wise, o/down row-wise; notebook 06)."""
+    """Tensor parallel inside every block (q/k/v/up column-wise, o/down row-wise; notebook 07)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     for block in blocks:
@@ -50,7 +50,7 @@ def apply_fsdp(blocks: nn.Sequential, dp_mesh: DeviceMesh) -> nn.Sequential:
 
 
 def stage_blocks(model: nn.Sequential, pp_rank: int, pp: int) -> nn.Sequential:
-    """This pipeline stage's contiguous slice of blocks (notebook 07)."""
+    """This pipeline stage's contiguous slice of blocks (notebook 08)."""
     if len(model) % pp:
         raise ValueError(f"{len(model)} blocks do not split into {pp} equal stages")
     per = len(model) // pp

@@ -1,7 +1,7 @@
 """A planner for real clusters (kernel-only): memory, bytes and time per GPU for a (dp, tp, pp) choice.
 
 Bytes are what one GPU sends per step under a ring algorithm: all-gather and reduce-scatter (n-1)/n of
-the full tensor, all-reduce twice that, a send the tensor; notebook 09 counts them on ranks
+the full tensor, all-reduce twice that, a send the tensor; notebook 11 counts them on ranks
 (:mod:`.traffic`) and asserts the planner's numbers for small layouts.
 """
 

@@ -1,4 +1,4 @@
-"""Bytes each rank sends in a step, counted from the collectives torch really runs (for notebook 09).
+"""Bytes each rank sends in a step, counted from the collectives torch really runs (for notebook 11).
 
 :class:`CountBytes` is a TorchDispatchMode: every c10d or functional collective dispatched while it is
 active passes through it (FSDP2's all-gathers and reduce-scatters, DTensor's all-reduces for tensor
@@ -79,7 +79,7 @@ class CountBytes(TorchDispatchMode):
 
 
 def course_model_shape(n_blocks: int, micro_batch: float, seq: int = 6) -> ModelShape:
-    """The planner's view of notebook 09's model: `n_blocks` of the course's blocks (48 wide, 12 heads)."""
+    """The planner's view of notebook 11's model: `n_blocks` of the course's blocks (48 wide, 12 heads)."""
     from course_lib.models import TransformerBlock
 
     per_block = sum(p.numel() for p in TransformerBlock().parameters())

@@ -1,4 +1,4 @@
-"""Kernel side (figures only): the per-step plot of notebook 10, redrawn while the ranks train."""
+"""Kernel side (figures only): the per-step plot of notebook 12, redrawn while the ranks train."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""course_lib.pipeline (notebook 07): pipeline parallelism from scratch.
+"""course_lib.pipeline (notebook 08): pipeline parallelism from scratch.
 
 A model is cut into *stages* (stages.py), one per rank, or several per rank ("virtual stages", for the
 interleaved schedule). A batch is cut into *micro-batches*. A *schedule* is, for every rank, an
@@ -7,7 +7,7 @@ computes its ideal timeline or finds its deadlock without running anything (time
 :func:`execute` runs it with point-to-point send/recv (execution.py). train.py holds one training
 step, ours and torch.distributed.pipelining's, against single-process training; figures.py the
 Gantt chart; checkers.py the exercises' checkers
-(solutions: notebooks/solutions/07_pipeline_parallel.py). The names below are those the notebook, tests and
+(solutions: notebooks/solutions/08_pipeline_parallel.py). The names below are those the notebook, tests and
 benchmark use.
 """
 

@@ -1,6 +1,6 @@
-"""The exercises of notebook 07, checked on the ranks: 1F1B's action list, a pipeline step that must not deadlock.
+"""The exercises of notebook 08, checked on the ranks: 1F1B's action list, a pipeline step that must not deadlock.
 
-The solutions are in notebooks/solutions/07_pipeline_parallel.py, not here.
+The solutions are in notebooks/solutions/08_pipeline_parallel.py, not here.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One training step of notebook 07: from scratch and with torch.distributed.pipelining, and its reference.
+"""One training step of notebook 08: from scratch and with torch.distributed.pipelining, and its reference.
 
 The reference is single-process training on the whole batch; gradients are compared stage by stage.
 """

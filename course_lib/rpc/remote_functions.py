@@ -1,4 +1,4 @@
-"""Small remote functions and a remote model: the first examples of notebook 08.
+"""Small remote functions and a remote model: the first examples of notebook 10.
 
 Module level, so every worker can import them by name (see :mod:`course_lib.rpc.agent`).
 """

@@ -73,7 +73,7 @@ def kill_and_resume(rank: int, world_size: int, *, root: str) -> dict:
     return {"resumed_from": resumed_from, "bitwise_equal": equal}
 
 
-SOLUTIONS = Path(__file__).resolve().parents[2] / "notebooks" / "solutions" / "05_checkpointing.py"
+SOLUTIONS = Path(__file__).resolve().parents[2] / "notebooks" / "solutions" / "06_checkpointing.py"
 
 # Answers to the resume exercise that the checker must reject, each for its own reason.
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from course_lib import pipeline as pp
 from course_lib.exercises import ExerciseFailed
 
-SOLUTIONS = runpy.run_path(str(Path(__file__).parents[2] / "notebooks" / "solutions" / "07_pipeline_parallel.py"))
+SOLUTIONS = runpy.run_path(str(Path(__file__).parents[2] / "notebooks" / "solutions" / "08_pipeline_parallel.py"))
 
 
 def equality(rank: int, world_size: int) -> dict:

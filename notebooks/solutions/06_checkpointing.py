@@ -1,4 +1,4 @@
-"""Solutions to notebook 05's exercises (load in the notebook with `%load solutions/05_checkpointing.py`).
+"""Solutions to notebook 06's exercises (load in the notebook with `%load solutions/06_checkpointing.py`).
 
 Each function is self-contained (imports inside), because `check` sends its source to the ranks.
 """
