@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["view"]
+from course_lib.session.session import SessionError
+
+__all__ = ["SessionError", "view"]
 
 
 def view() -> Any:  # an ipyparallel DirectView
