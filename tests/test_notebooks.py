@@ -77,6 +77,31 @@ def test_runner_reports_failing_cell_and_rank(tmp_path, capsys):
     assert "0 passed, 1 failed" in table
 
 
+def test_runner_leaves_no_session_behind(tmp_path):
+    """A notebook that starts a persistent session and never stops it: its ranks end with the notebook."""
+    import psutil
+
+    nb = nbformat.v4.new_notebook(
+        cells=[
+            nbformat.v4.new_code_cell("%load_ext course_lib"),
+            nbformat.v4.new_code_cell("%dist start -n 2 --backend gloo"),
+            nbformat.v4.new_code_cell(
+                "from course_lib.session import session\nprint('PIDS', *session.current().folder.rank_pids().values())"
+            ),
+        ]
+    )
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    path = tmp_path / "98_session_left_running.ipynb"
+    nbformat.write(nb, path)
+    assert runner.main([str(path), "--out", str(tmp_path / "out"), "--no-progress"]) == 0
+    printed = "".join(outputs_text(nbformat.read(tmp_path / "out" / path.name, as_version=4)))
+    pids = [int(p) for p in printed.split("PIDS", 1)[1].split()[:2]]
+    deadline = time.monotonic() + 10
+    while any(psutil.pid_exists(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if psutil.pid_exists(p)], f"rank processes {pids} outlived their notebook"
+
+
 # ---- every notebook refuses a bad NPROC in its first cells, at once ---------------------------
 
 
