@@ -1,0 +1,80 @@
+"""course_lib.context_parallel (notebook 09, part 1): ring attention from scratch, and torch's context_parallel.
+
+layout          which tokens each rank holds (contiguous or zig-zag), for any sequence length; the causal
+                work of each rank at each ring step, and the rectangle it computes
+ring_attention  block attention, the online-softmax merge, RingAttention (forward and backward on the ring),
+                the bytes each rank sends (TRAFFIC)
+block           the course's TransformerBlock with ring attention, the gradient sum over the ranks
+cost            bytes per rank per layer, memory per rank, when the ring hides behind compute
+torch_cp        torch.distributed.tensor.experimental.context_parallel: its layout (CPU too), its attention (GPU)
+timing          one layer's forward + backward timed on a group
+figures         kernel-only pictures and the explorer
+checkers        the exercise's checker (solution: notebooks/solutions/09_context_and_expert_parallel.py)
+"""
+
+from course_lib.context_parallel.block import ContextParallelAttention, ContextParallelBlock, sum_gradients
+from course_lib.context_parallel.checkers import check_ring_forward
+from course_lib.context_parallel.cost import (
+    overlap_tokens,
+    ring_bytes,
+    ring_bytes_even,
+    saved_bytes,
+    tokens_per_rank,
+)
+from course_lib.context_parallel.figures import LINKS, draw_cp_explorer, draw_layouts, draw_ring_steps, draw_step_times
+from course_lib.context_parallel.layout import (
+    LAYOUTS,
+    all_positions,
+    causal_pairs,
+    causal_work,
+    computed_work,
+    positions,
+    shard_sequence,
+    unshard_sequence,
+    visible_rectangle,
+)
+from course_lib.context_parallel.ring_attention import (
+    TRAFFIC,
+    Ring,
+    RingAttention,
+    block_attention,
+    merge_partials,
+    ring_attention,
+)
+from course_lib.context_parallel.timing import time_ring_step
+from course_lib.context_parallel.torch_cp import torch_positions, torch_ring_attention
+
+__all__ = [
+    "LAYOUTS",
+    "LINKS",
+    "TRAFFIC",
+    "ContextParallelAttention",
+    "ContextParallelBlock",
+    "Ring",
+    "RingAttention",
+    "all_positions",
+    "block_attention",
+    "causal_pairs",
+    "causal_work",
+    "check_ring_forward",
+    "computed_work",
+    "draw_cp_explorer",
+    "draw_layouts",
+    "draw_ring_steps",
+    "draw_step_times",
+    "merge_partials",
+    "overlap_tokens",
+    "positions",
+    "ring_attention",
+    "ring_bytes",
+    "ring_bytes_even",
+    "saved_bytes",
+    "shard_sequence",
+    "sum_gradients",
+    "time_ring_step",
+    "tokens_per_rank",
+    "torch_positions",
+    "torch_ring_attention",
+    "unshard_sequence",
+    "visible_rectangle",
+]

@@ -1,0 +1,62 @@
+"""Notebook 09's context-parallel exercise, checked on the ranks: the forward of ring attention.
+
+The solution is in notebooks/solutions/09_context_and_expert_parallel.py, not here.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from course_lib.exercises import ExerciseFailed, expect_equal
+from course_lib.launch.runtime import rank_device
+from course_lib.process_groups import gather_reports, record_calls, run_bounded, side_group
+from course_lib.process_groups.calls import BLOCKING_P2P, COLLECTIVES, NONBLOCKING_P2P
+
+_TIMEOUT_S = 8.0  # a ring that deadlocks fails after this long
+_RING_ONLY = "pass the K/V blocks around the ring with dist.send/recv, isend/irecv or batch_isend_irecv"
+
+
+def _secret(shape: tuple[int, ...]) -> torch.Tensor:
+    """Numbers only this rank knows (seeded by the OS): the answer needs the other ranks' blocks."""
+    gen = torch.Generator().manual_seed(random.SystemRandom().randrange(2**31))
+    return torch.randn(shape, generator=gen)
+
+
+def check_ring_forward(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+    """fn(q, k, v) -> this rank's rows of softmax(Q Kᵀ/√d) V over the whole sequence (no mask).
+
+    q, k, v (batch, heads, c, d) are chunk r of a sequence cut into N equal chunks, one per rank; the
+    blocks must travel with point-to-point messages (collectives are switched off while fn runs).
+    """
+    rank, n = dist.get_rank(), dist.get_world_size()
+    side = side_group()
+    for chunk, dim in ((3, 4), (5, 8)):
+        q, k, v = (_secret((2, 2, chunk, dim)) for _ in range(3))
+        everyone: list = [None] * n
+        dist.all_gather_object(everyone, (q, k, v), group=side)
+        full_q, full_k, full_v = (torch.cat([mine[i] for mine in everyone], dim=2) for i in range(3))
+        expected = F.scaled_dot_product_attention(full_q, full_k, full_v)[:, :, rank * chunk : (rank + 1) * chunk]
+        device = rank_device()
+        with record_calls(forbidden=COLLECTIVES, advice=_RING_ONLY, bound_s=_TIMEOUT_S) as calls:
+            got, error = run_bounded(fn, q.to(device), k.to(device), v.to(device), seconds=_TIMEOUT_S)
+        reports = gather_reports(None if error is None else f"{type(error).__name__}: {error}", side)
+        failed = [(r, e) for r, e in enumerate(reports) if e is not None]
+        if failed:
+            r, e = failed[0]
+            raise ExerciseFailed(f"rank {r} raised or waited too long ({e}) with chunks of {chunk} tokens")
+        if not any(call.name in BLOCKING_P2P + NONBLOCKING_P2P for call in calls):
+            raise ExerciseFailed(f"rank {rank} sent no message: its queries need every rank's keys and values")
+        if not isinstance(got, torch.Tensor):
+            raise ExerciseFailed(f"ring_forward must return a tensor, got {type(got).__name__}")
+        expect_equal(
+            f"rank {rank}'s attention output ({n} chunks of {chunk} tokens, head dim {dim})",
+            got.detach().cpu(),
+            expected,
+            atol=1e-5,
+            rtol=1e-4,
+        )

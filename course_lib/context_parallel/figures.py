@@ -1,0 +1,113 @@
+"""Context parallelism, kernel side only: who computes which (query, key) pair, the ring's steps, the explorer."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from course_lib.context_parallel.cost import overlap_tokens, ring_bytes_even, saved_bytes
+from course_lib.context_parallel.layout import LAYOUTS, all_positions, causal_work
+
+LINKS = {"NVLink (H100, 450 GB/s)": 450e9, "InfiniBand (50 GB/s)": 50e9, "Ethernet (12.5 GB/s)": 12.5e9}
+
+
+def draw_layouts(seq_len: int, world_size: int) -> None:
+    """The causal mask of `seq_len` tokens, each kept (query, key) pair coloured by the rank that computes it."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(LAYOUTS), figsize=(4.2 * len(LAYOUTS), 4.0))
+    for ax, layout in zip(axes, LAYOUTS):
+        owner = torch.empty(seq_len, dtype=torch.long)
+        for r, mine in enumerate(all_positions(layout, seq_len, world_size)):
+            owner[mine] = r  # the rank holding query q computes row q
+        picture = torch.ones(seq_len, seq_len, 4)
+        colours = torch.tensor([plt.cm.tab10(r % 10) for r in range(world_size)])
+        keep = torch.tril(torch.ones(seq_len, seq_len, dtype=torch.bool))
+        picture[keep] = colours[owner[:, None].expand(seq_len, seq_len)[keep]]
+        ax.imshow(picture.numpy(), interpolation="nearest")
+        work = [sum(row) for row in causal_work(layout, seq_len, world_size)]
+        ax.set_title(f"{layout}: pairs per rank {work}", fontsize=9)
+        ax.set_xlabel("key position")
+        ax.set_ylabel("query position")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=plt.cm.tab10(r % 10)) for r in range(world_size)]
+    fig.legend(handles, [f"rank {r}" for r in range(world_size)], loc="lower center", ncol=min(world_size, 8))
+    plt.tight_layout(rect=(0, 0.08, 1, 1))
+    plt.show()
+
+
+def draw_ring_steps(traces: Sequence[Sequence[Mapping]], title: str = "") -> None:
+    """One row per rank, one column per ring step: whose K/V block it held, and the pairs it kept / computed."""
+    import matplotlib.pyplot as plt
+
+    forward = [[e for e in trace if e["phase"] == "forward"] for trace in traces]
+    n = len(forward)
+    fig, ax = plt.subplots(figsize=(1.9 * n + 1.5, 0.75 * n + 0.9))
+    for r, steps in enumerate(forward):
+        for e in steps:
+            colour = plt.cm.tab10(e["owner"] % 10)
+            ax.add_patch(plt.Rectangle((e["step"], r), 1, 1, color=colour, alpha=0.35 if e["computed"] else 0.08))
+            text = f"K/V of rank {e['owner']}\n{e['pairs']} kept / {e['computed']}"
+            ax.text(e["step"] + 0.5, r + 0.5, text, ha="center", va="center", fontsize=7)
+    ax.set_xlim(0, n)
+    ax.set_ylim(n, 0)
+    ax.set_xticks([s + 0.5 for s in range(n)], [f"step {s}" for s in range(n)])
+    ax.set_yticks([r + 0.5 for r in range(n)], [f"rank {r}" for r in range(n)])
+    ax.set_title(title or "the K/V block each rank holds at each ring step (pairs kept by the mask / computed)")
+    plt.tight_layout()
+    plt.show()
+
+
+def draw_step_times(
+    ns: Sequence[int], times: Mapping[str, Sequence[float]], model: Mapping[str, Sequence[float]]
+) -> None:
+    """Measured seconds per forward + backward against N, with the work model scaled to the one-rank time."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.4))
+    for i, layout in enumerate(times):
+        ax.plot(ns, [1000 * t for t in times[layout]], "o-", color=f"C{i}", label=f"{layout}, measured")
+        ax.plot(ns, [1000 * t for t in model[layout]], ":", color=f"C{i}", label=f"{layout}, work of slowest rank")
+    ax.set_xlabel("ranks N (sequence length fixed)")
+    ax.set_ylabel("ms per forward + backward")
+    ax.set_xticks(list(ns))
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    plt.tight_layout()
+    plt.show()
+
+
+def draw_cp_explorer(seq_len_k: int, ranks: int, link: str) -> None:
+    """A Llama-8B-sized attention layer (32 heads of 128, bf16, batch 1) at `seq_len_k`·1024 tokens on N ranks."""
+    import matplotlib.pyplot as plt
+
+    seq, heads, dim, e = seq_len_k * 1024, 32, 128, 2
+    ns = [n for n in (1, 2, 4, 8, 16, 32, 64) if n * 2 <= seq]
+    gib = 2**30
+    fig, (mem, comm) = plt.subplots(1, 2, figsize=(10, 3.6))
+    mem.plot(ns, [saved_bytes(seq // n, 1, heads, dim, e) / gib for n in ns], "o-", label="saved for backward")
+    mem.plot(
+        ns, [heads * (seq // n) ** 2 * e / gib for n in ns], "s--", label="one step's score block (if materialised)"
+    )
+    mem.axvline(ranks, color="gray", lw=0.8)
+    mem.set(
+        xscale="log", yscale="log", xlabel="ranks N", ylabel="GiB per rank per layer", title=f"memory, S = {seq_len_k}k"
+    )
+    mem.legend(fontsize=8)
+    flops, bandwidth = 400e12, LINKS[link]  # 400 TFLOP/s: a realistic bf16 rate on an H100
+    chunk = seq / ranks
+    compute_ms = 2 * heads * chunk**2 * dim / flops * 1e3  # a causal zig-zag step: half of 4·h·c²·d
+    send_ms = 2 * heads * chunk * dim * e / bandwidth * 1e3
+    comm.bar(["compute", "send K/V"], [compute_ms, send_ms], color=["C0", "C1"])
+    hidden = "hidden behind compute" if send_ms <= compute_ms else "NOT hidden"
+    needed = overlap_tokens(flops, bandwidth, e)
+    comm.set_title(
+        f"one ring step on {ranks} ranks: the message is {hidden}\n(needs ≥ {needed:.0f} tokens per rank)", fontsize=9
+    )
+    comm.set_ylabel("ms")
+    total = ring_bytes_even(seq, ranks, 1, heads, dim, e) / gib
+    fig.suptitle(
+        f"{seq // ranks} tokens per rank; {total:.2f} GiB sent per rank per layer (forward + backward)", fontsize=10
+    )
+    plt.tight_layout()
+    plt.show()

@@ -1,0 +1,91 @@
+"""Which tokens each rank holds: contiguous chunks, or the zig-zag layout that balances causal attention.
+
+* contiguous: the sequence cut into N chunks; rank r holds chunk r. With a causal mask the last rank's
+  queries see every key and the first rank's almost none: rank r does about 2r + 1 times rank 0's work.
+* zig-zag (torch's head-tail load balancer): the sequence cut into 2N chunks; rank r holds chunk r and
+  chunk 2N - 1 - r, one early and one late, so every rank does the same causal work.
+
+Chunks are cut as torch.tensor_split cuts (sizes differ by at most one), so any length works, not only
+multiples of N or 2N. Every rank can compute every rank's positions: no communication is needed to know
+which tokens a K/V block that arrives from another rank holds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from course_lib.collectives import chunk_offsets, chunk_sizes
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def positions(layout: str, seq_len: int, world_size: int, rank: int) -> torch.Tensor:
+    """The global token positions rank `rank` holds, in the order it stores them (1-D, int64)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    pieces = world_size if layout == "contiguous" else 2 * world_size
+    if seq_len < pieces:
+        raise ValueError(f"a {layout} layout cuts {seq_len} tokens into {pieces} chunks: use at least {pieces} tokens")
+    offsets = chunk_offsets(chunk_sizes(seq_len, pieces))
+    chunks = [rank] if layout == "contiguous" else [rank, 2 * world_size - 1 - rank]
+    return torch.cat([torch.arange(offsets[c], offsets[c + 1]) for c in chunks])
+
+
+def all_positions(layout: str, seq_len: int, world_size: int) -> list[torch.Tensor]:
+    """`positions` of every rank, in rank order."""
+    return [positions(layout, seq_len, world_size, r) for r in range(world_size)]
+
+
+def shard_sequence(x: torch.Tensor, mine: torch.Tensor, dim: int) -> torch.Tensor:
+    """This rank's tokens of a full-sequence tensor (a copy: the rank keeps only these)."""
+    return x.index_select(dim, mine.to(x.device)).contiguous()
+
+
+def unshard_sequence(shards: list[torch.Tensor], layout_positions: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """Every rank's shard put back in sequence order (the inverse of shard_sequence over all ranks)."""
+    order = torch.cat(layout_positions)
+    stacked = torch.cat(shards, dim=dim)
+    return stacked.index_select(dim, torch.argsort(order).to(stacked.device))
+
+
+def causal_pairs(query_positions: torch.Tensor, key_positions: torch.Tensor) -> int:
+    """(query, key) pairs a causal mask keeps between two blocks: the attention work of one ring step."""
+    return int((key_positions[None, :] <= query_positions[:, None]).sum())
+
+
+def causal_work(layout: str, seq_len: int, world_size: int) -> list[list[int]]:
+    """work[r][step]: the pairs rank r computes at ring step `step`, when it holds rank (r - step)'s K/V."""
+    held = all_positions(layout, seq_len, world_size)
+    return [
+        [causal_pairs(held[r], held[(r - step) % world_size]) for step in range(world_size)] for r in range(world_size)
+    ]
+
+
+def visible_rectangle(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows (queries) that see some key of a block, and the columns (keys) some query sees.
+
+    Ring attention computes only that rectangle. A zig-zag block from another rank is half visible, and its
+    visible half has no masked pair: a rank computes half a block per step instead of a whole one.
+    """
+    if not causal:
+        return torch.arange(len(q_pos)), torch.arange(len(k_pos))
+    if not len(q_pos) or not len(k_pos):
+        return q_pos[:0], k_pos[:0]
+    rows = torch.nonzero(q_pos >= k_pos.min()).squeeze(1)
+    cols = torch.nonzero(k_pos <= q_pos.max()).squeeze(1)
+    return rows, cols
+
+
+def computed_work(layout: str, seq_len: int, world_size: int) -> list[list[int]]:
+    """computed[r][step]: the size of the rectangle rank r computes at `step` (visible_rectangle)."""
+    held = all_positions(layout, seq_len, world_size)
+    work = []
+    for r in range(world_size):
+        areas = []
+        for step in range(world_size):
+            rows, cols = visible_rectangle(held[r], held[(r - step) % world_size])
+            areas.append(len(rows) * len(cols))
+        work.append(areas)
+    return work

@@ -1,0 +1,61 @@
+"""A short training run of an expert-parallel MoE, to watch the load balance with and without the auxiliary loss.
+
+The tokens share a common direction (as real embeddings do), so even an untrained router prefers a few
+experts. The task (fit tanh(x A)) gives the router no reason to spread the tokens; the load-balancing loss
+does. Every rank draws its own tokens; the router's gradients are averaged over the ranks (it is
+replicated, as in data parallelism) and each expert's gradient already holds every rank's tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from course_lib import compare
+from course_lib.expert_parallel.cost import imbalance
+from course_lib.expert_parallel.moe import ExpertParallelMoE
+
+
+def train_load_balance(
+    moe: ExpertParallelMoE,
+    steps: int = 30,
+    aux_weight: float = 0.1,
+    tokens: int = 64,
+    lr: float = 1e-2,
+    shift: float = 1.0,
+    seed: int = 0,
+) -> list[dict[str, float]]:
+    """Train `moe` for `steps` Adam steps; per step: imbalance and dropped share over every rank's tokens, loss."""
+    group, n, rank = moe.group, dist.get_world_size(moe.group), dist.get_rank(moe.group)
+    d = moe.router.gate.in_features
+    teacher = torch.Generator().manual_seed(seed)
+    mix, direction = torch.randn(d, d, generator=teacher) / d**0.5, shift * torch.randn(d, generator=teacher)
+    mine = torch.Generator().manual_seed(seed + 1 + rank)  # every rank its own tokens
+    optimizer = torch.optim.Adam(moe.parameters(), lr=lr)
+    history = []
+    for _ in range(steps):
+        x = torch.randn(tokens, d, generator=mine) + direction
+        y, routing = moe(x)
+        task = F.mse_loss(y, torch.tanh(x @ mix))
+        optimizer.zero_grad()
+        (task + aux_weight * routing.aux_loss).backward()
+        for p in moe.router.parameters():  # replicated: average its gradient over the ranks
+            grad = compare.grad_of(p, "router")
+            dist.all_reduce(grad, group=group)
+            grad /= n
+        for p in moe.experts.parameters():  # each expert saw every rank's tokens, each rank's loss a mean
+            if p.grad is not None:
+                p.grad /= n
+        optimizer.step()
+        stats = torch.cat([routing.routed_per_expert().double(), torch.tensor([routing.dropped(), task.item()])])
+        dist.all_reduce(stats, group=group)
+        routed = stats[:-2]
+        history.append(
+            dict(
+                imbalance=imbalance(routed),
+                dropped=float(stats[-2] / routed.sum()),
+                loss=float(stats[-1] / n),
+            )
+        )
+    return history
