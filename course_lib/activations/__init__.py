@@ -1,0 +1,84 @@
+"""Notebook 05: activation memory, measured against the formula, and what recomputation trades for it.
+
+- formulas: Korthikanti et al.'s bytes per layer, term by term; the course block's, derived tensor by tensor
+  (with tensor and sequence parallelism); a stack of layers under each recomputation mode
+- inspection: the tensors autograd saved (saved_tensors), the bytes alive at each moment (LiveBytes), FLOPs
+- recompute: checkpointing from scratch with saved-tensor hooks, torch.utils.checkpoint (full and selective)
+- measure: what the ranks measure (bytes per layer, a step under each mode, time), on CPU or GPU
+- oom: a real out-of-memory under a limit (RLIMIT_AS on CPU, a memory fraction on CUDA); micro-batched steps
+- ladder: the memory estimate per GPU and the ladder of fixes, each with its cost
+- figures: kernel-side figures and the explorer
+- checkers: the exercises' checkers (solutions: notebooks/solutions/05_activation_memory.py)
+"""
+
+from course_lib.activations.checkers import check_checkpoint_every, check_evaluate
+from course_lib.activations.figures import MODELS, draw_explorer, draw_ladder, draw_layer_bytes, draw_recompute
+from course_lib.activations.formulas import (
+    KORTHIKANTI_TERMS,
+    course_block_bytes,
+    course_block_terms,
+    korthikanti_bytes,
+    korthikanti_terms,
+    selective_block_bytes,
+    stack_bytes,
+)
+from course_lib.activations.inspection import LiveBytes, matmul_flops, saved_tensors
+from course_lib.activations.ladder import RUNGS, Setup, estimate, ladder
+from course_lib.activations.measure import (
+    attention_backend,
+    cuda_memory,
+    derived_held,
+    layer_bytes,
+    measure_step,
+    stats_bytes,
+    time_steps,
+)
+from course_lib.activations.oom import attempt, mapped_bytes, memory_limit, train_step, unmap_freed_memory
+from course_lib.activations.recompute import (
+    RECOMPUTE_MODES,
+    Checkpointed,
+    block_stack,
+    checkpoint_from_scratch,
+    save_matmuls,
+)
+
+__all__ = [
+    "KORTHIKANTI_TERMS",
+    "MODELS",
+    "RECOMPUTE_MODES",
+    "RUNGS",
+    "Checkpointed",
+    "LiveBytes",
+    "Setup",
+    "attempt",
+    "attention_backend",
+    "block_stack",
+    "check_checkpoint_every",
+    "check_evaluate",
+    "checkpoint_from_scratch",
+    "course_block_bytes",
+    "course_block_terms",
+    "cuda_memory",
+    "derived_held",
+    "draw_explorer",
+    "draw_ladder",
+    "draw_layer_bytes",
+    "draw_recompute",
+    "estimate",
+    "korthikanti_bytes",
+    "korthikanti_terms",
+    "ladder",
+    "layer_bytes",
+    "mapped_bytes",
+    "matmul_flops",
+    "measure_step",
+    "memory_limit",
+    "save_matmuls",
+    "saved_tensors",
+    "selective_block_bytes",
+    "stack_bytes",
+    "stats_bytes",
+    "time_steps",
+    "train_step",
+    "unmap_freed_memory",
+]

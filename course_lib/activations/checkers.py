@@ -1,0 +1,98 @@
+"""Checkers of notebook 05's exercises; each runs on every rank, with that rank's own batch.
+
+The solutions are in notebooks/solutions/05_activation_memory.py (and nowhere in the library).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from course_lib.activations.formulas import course_block_bytes
+from course_lib.activations.inspection import LiveBytes
+from course_lib.activations.measure import loss_of
+from course_lib.activations.oom import MiB, attempt, memory_limit, unmap_freed_memory
+from course_lib.activations.recompute import block_stack
+from course_lib.compare import grad_of
+from course_lib.exercises import ExerciseFailed
+
+CHECKED_EVERY = (1, 2, 3, 4)
+LAYERS, SEQ = 5, 32
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def check_checkpoint_every(fn: Callable[[nn.Sequential, torch.Tensor, int], torch.Tensor]) -> None:
+    """fn(blocks, x, k): blocks i = 0, k, 2k, ... run under activation checkpointing, the others as they are.
+
+    Checked on 5 blocks for k = 1, 2, 3, 4: the output and every gradient equal those of the plain run, and the
+    bytes held after the forward are exactly those of the blocks it keeps whole plus the inputs of the others.
+    """
+    batch = 2 + _rank() % 3  # each rank its own batch size and data
+    x = torch.randn(batch, SEQ, 48, generator=torch.Generator().manual_seed(100 + _rank()))
+    reference = block_stack(LAYERS)
+    expected_output = reference(x)
+    expected_output.square().mean().backward()
+    per_layer, block_input = course_block_bytes(SEQ, batch, element_bytes=4), 4 * SEQ * batch * 48
+    for k in CHECKED_EVERY:
+        blocks = block_stack(LAYERS)
+        with LiveBytes() as live:
+            out = fn(blocks, x, k)
+            held = live.now()
+        if not isinstance(out, torch.Tensor) or not torch.equal(out, expected_output):
+            raise ExerciseFailed(f"k={k}: the output differs from running the blocks one after the other")
+        out.square().mean().backward()
+        for (name, got), want in zip(blocks.named_parameters(), reference.parameters()):
+            if got.grad is None:
+                raise ExerciseFailed(f"k={k}: {name} got no gradient (did backward reach every checkpointed block?)")
+            if not torch.equal(got.grad, grad_of(want)):
+                raise ExerciseFailed(f"k={k}: the gradient of {name} differs from the run without checkpointing")
+        checkpointed = len(range(0, LAYERS, k))
+        expected = checkpointed * block_input + (LAYERS - checkpointed) * per_layer
+        if held != expected:
+            raise ExerciseFailed(
+                f"k={k}: {held:,} bytes held after the forward, expected {expected:,.0f} "
+                f"({checkpointed} of {LAYERS} blocks checkpointed, keeping only their input)"
+            )
+
+
+BUDGET_MIB, EVAL_BATCHES = 16, 8
+
+
+def check_evaluate(fn: Callable[[nn.Module, list[torch.Tensor]], float]) -> None:
+    """fn(model, batches) -> the mean over the batches of mean(model(x)²), as a float. Checked on 4 blocks and
+    8 batches under a 16 MiB limit (one batch's forward with its saved activations fits, 8 do not), and it must
+    save nothing for a backward that never comes."""
+    unmap_freed_memory()
+    generator = torch.Generator().manual_seed(300 + _rank())
+    batches = [torch.randn(8, 64, 48, generator=generator) for _ in range(EVAL_BATCHES)]
+    model = block_stack(4)
+    with torch.no_grad():
+        expected = sum(loss_of(model(x)).item() for x in batches) / len(batches)
+    saved = 0
+
+    def count(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal saved
+        saved += tensor.untyped_storage().nbytes()
+        return tensor
+
+    with memory_limit(BUDGET_MIB * MiB), torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
+        outcome = attempt(lambda: fn(model, batches))
+    if not outcome["ok"]:
+        raise ExerciseFailed(
+            f"evaluating {EVAL_BATCHES} batches ran out of memory under a {BUDGET_MIB} MiB limit "
+            f"({outcome['error']}): something keeps each batch's activations alive"
+        )
+    if saved:
+        raise ExerciseFailed(f"the evaluation saved {saved:,} bytes of activations for a backward that never runs")
+    value = outcome["value"]
+    if not isinstance(value, float):
+        raise ExerciseFailed(f"return the mean loss as a Python float, got {type(value).__name__}")
+    if abs(value - expected) > 1e-6 * abs(expected):
+        raise ExerciseFailed(f"mean loss {value:.6g}, expected {expected:.6g} (the mean over the batches)")

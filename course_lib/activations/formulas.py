@@ -1,0 +1,142 @@
+"""Activation memory per transformer layer: the paper's formula, and the course's block derived tensor by tensor.
+
+Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models" (2022), count the bytes a
+GPT layer keeps for backward with 16-bit activations, s = sequence length, b = micro-batch, h = hidden size,
+a = attention heads, t = tensor-parallel size:
+
+    no parallelism          s·b·h·(34 + 5·a·s/h)
+    tensor parallel         s·b·h·(10 + 24/t + 5·a·s/(h·t))
+    + sequence parallel     s·b·h·(34 + 5·a·s/h) / t
+
+Their layer has dropout and a materialized softmax. `course_block_terms` derives the same count for
+`course_lib.models.TransformerBlock` (no dropout, fused or math attention, any dtype), one saved tensor per term.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# (term, bytes per element of s·b·h or of a·s²·b, "sbh" or "as2b", divided by t under TP, divided by t under SP)
+KORTHIKANTI_TERMS: list[tuple[str, int, str, bool, bool]] = [
+    ("attention: QKV input (LayerNorm output)", 2, "sbh", False, True),
+    ("attention: Q and K, for QKᵀ", 4, "sbh", True, True),
+    ("attention: softmax output", 2, "as2b", True, True),
+    ("attention: softmax dropout mask", 1, "as2b", True, True),
+    ("attention: dropout output, for ·V", 2, "as2b", True, True),
+    ("attention: V", 2, "sbh", True, True),
+    ("attention: output projection input", 2, "sbh", True, True),
+    ("attention: dropout mask", 1, "sbh", False, True),
+    ("MLP: first linear input", 2, "sbh", False, True),
+    ("MLP: GeLU input", 8, "sbh", True, True),
+    ("MLP: second linear input", 8, "sbh", True, True),
+    ("MLP: dropout mask", 1, "sbh", False, True),
+    ("LayerNorm: the two inputs", 4, "sbh", False, True),
+]
+SELECTIVE = ("attention: softmax output", "attention: softmax dropout mask", "attention: dropout output, for ·V")
+
+
+def korthikanti_terms(
+    s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False, selective: bool = False
+) -> dict[str, float]:
+    """The paper's bytes per layer, term by term; `selective` drops what their selective recomputation recomputes."""
+    terms = {}
+    for name, factor, unit, tp_divides, sp_divides in KORTHIKANTI_TERMS:
+        if selective and name in SELECTIVE:
+            continue
+        size = s * b * h if unit == "sbh" else a * s * s * b
+        divided = tp_divides or (sequence_parallel and sp_divides)
+        terms[name] = factor * size / (t if divided else 1)
+    return terms
+
+
+def korthikanti_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False) -> float:
+    """The closed forms of the paper's Table 2 (16-bit activations, no recomputation)."""
+    if sequence_parallel:
+        return s * b * h * (34 + 5 * a * s / h) / t
+    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+def course_block_terms(
+    s: int,
+    b: int,
+    h: int = 48,
+    a: int = 12,
+    d_ff: int = 192,
+    *,
+    element_bytes: int = 2,
+    stats_bytes: int | None = None,
+    attention: str = "flash",
+    t: int = 1,
+    sequence_parallel: bool = False,
+) -> dict[str, float]:
+    """Bytes each tensor saved for backward by one `TransformerBlock` takes, on one of `t` tensor-parallel ranks.
+
+    element_bytes: the activations' dtype (2 for bf16). stats_bytes: LayerNorm's mean and 1/σ (the input dtype on
+    CPU, fp32 on CUDA; default element_bytes). attention: "flash" (fused kernel: q, k, v, the output and a fp32
+    log-sum-exp per row) or "math" (on CPU it computes in fp32 and saves the softmax, a·s² per sequence).
+    With t > 1 (torch's plan, `tensor_parallel.tp_plan`) q/k/v/up are column-parallel and o/down row-parallel;
+    with sequence_parallel the norms see s/t tokens, but q/k/v and up save their all-gathered, whole input.
+    """
+    if attention not in ("flash", "math"):
+        raise ValueError(f"attention must be 'flash' or 'math', got {attention!r}")
+    e, stats = element_bytes, element_bytes if stats_bytes is None else stats_bytes
+    e_attention = 4 if attention == "math" else e  # the math path upcasts 16-bit q, k, v to fp32
+    tokens, sp = s * b, t if sequence_parallel else 1
+    terms = {
+        "norm1 input (the block input)": e * tokens * h / sp,
+        "norm1 mean and 1/σ": 2 * stats * tokens / sp,
+        "q/k/v input (norm1 output)": e * tokens * h,
+        "q, k, v": 3 * e_attention * tokens * h / t,
+    }
+    if attention == "flash":
+        terms["attention output = o input"] = e * tokens * h / t
+        terms["log-sum-exp (fp32)"] = 4 * a * tokens / t
+    else:
+        terms["softmax output (a·s² per sequence)"] = e_attention * a * s * s * b / t
+        terms["o input (attention output)"] = e * tokens * h / t
+    terms |= {
+        "norm2 input": e * tokens * h / sp,
+        "norm2 mean and 1/σ": 2 * stats * tokens / sp,
+        "up input (norm2 output)": e * tokens * h,
+        "GELU input": e * tokens * d_ff / t,
+        "down input (GELU output)": e * tokens * d_ff / t,
+    }
+    return terms
+
+
+def course_block_bytes(s: int, b: int, h: int = 48, a: int = 12, d_ff: int = 192, **options: Any) -> float:
+    """The sum of :func:`course_block_terms` (same arguments): bytes one TransformerBlock saves for backward."""
+    return sum(course_block_terms(s, b, h, a, d_ff, **options).values())
+
+
+def selective_block_bytes(
+    s: int, b: int, h: int = 48, a: int = 12, d_ff: int = 192, *, element_bytes: int = 2
+) -> float:
+    """Bytes one checkpointed block keeps under the save-matmuls policy (`recompute.save_matmuls`), flash attention.
+
+    What the policy caches: the outputs of q, k, v, o, up and down and the attention kernel's outputs (its
+    output and the fp32 log-sum-exp); plus the block input that the checkpoint keeps to run the block again.
+    """
+    e, tokens = element_bytes, s * b
+    return e * tokens * (h + 3 * h + h + h + d_ff + h) + 4 * a * tokens
+
+
+def stack_bytes(
+    per_layer: float, layers: int, block_input: float, recompute: str = "none", selective_per_layer: float = 0.0
+) -> dict[str, float]:
+    """Activation bytes of `layers` blocks: held after the forward, and at the peak of the backward.
+
+    none: every layer's saved tensors. full: each layer's input only; the backward re-runs one layer at a time,
+    so its saved tensors come back on top. selective: what the policy keeps per layer (selective_per_layer),
+    plus, during one layer's backward, the rest of that layer's tensors.
+    """
+    if recompute == "none":
+        held = layers * per_layer
+        return {"held": held, "peak": held}
+    if recompute == "full":
+        held = layers * block_input
+        return {"held": held, "peak": held + per_layer}
+    if recompute == "selective":
+        held = layers * selective_per_layer
+        return {"held": held, "peak": held + per_layer}
+    raise ValueError(f"recompute must be 'none', 'full' or 'selective', got {recompute!r}")

@@ -1,0 +1,114 @@
+"""What the notebook measures on each rank: bytes saved per layer, and what recomputation saves and costs.
+
+Everything runs on `device` (the CPU with gloo, the rank's GPU with nccl). Bytes are counted from the tensors
+(`compare.saved_activation_bytes`, `inspection.LiveBytes`) and FLOPs from the ops (`inspection.matmul_flops`),
+so both are the same under any load; time is measured too, and only compared as ratios within one run.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from course_lib.activations.formulas import course_block_bytes, selective_block_bytes, stack_bytes
+from course_lib.activations.inspection import LiveBytes, matmul_flops
+from course_lib.compare import full_gradients, saved_activation_bytes
+
+HIDDEN = 48  # the course block's default width
+
+
+def attention_backend(attention: str) -> Any:
+    """A context that makes scaled_dot_product_attention use the fused ("flash") or the "math" kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.FLASH_ATTENTION if attention == "flash" else SDPBackend.MATH)
+
+
+def element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def stats_bytes(dtype: torch.dtype, device: torch.device) -> int:
+    """Bytes of LayerNorm's saved mean and 1/σ: fp32 on CUDA for 16-bit inputs, the input's dtype on the CPU."""
+    return 4 if device.type == "cuda" else element_size(dtype)
+
+
+def layer_bytes(
+    s: int, b: int, *, attention: str = "flash", dtype: torch.dtype = torch.bfloat16, device: torch.device | None = None
+) -> dict[str, Any]:
+    """One TransformerBlock at (s, b): bytes saved for backward, measured by saved-tensor hooks, and derived."""
+    from course_lib.models import TransformerBlock
+
+    device = device or torch.device("cpu")
+    block = TransformerBlock().to(device, dtype)
+    x = torch.randn(b, s, HIDDEN, device=device, dtype=dtype, requires_grad=True)
+    with attention_backend(attention):
+        measured = saved_activation_bytes(block, x)
+    derived = course_block_bytes(
+        s, b, element_bytes=element_size(dtype), stats_bytes=stats_bytes(dtype, device), attention=attention
+    )
+    return {"s": s, "b": b, "measured": measured, "derived": derived}
+
+
+def derived_held(mode: str, layers: int, s: int, b: int, dtype: torch.dtype, device: torch.device) -> float:
+    """Bytes `layers` blocks hold after the forward under `mode` (formulas.stack_bytes, flash attention)."""
+    e = element_size(dtype)
+    per_layer = course_block_bytes(s, b, element_bytes=e, stats_bytes=stats_bytes(dtype, device))
+    kept = "full" if mode == "from scratch" else mode
+    return stack_bytes(per_layer, layers, e * s * b * HIDDEN, kept, selective_block_bytes(s, b, element_bytes=e))[
+        "held"
+    ]
+
+
+def loss_of(output: torch.Tensor) -> torch.Tensor:
+    return output.float().square().mean()
+
+
+def measure_step(model: nn.Module, x: torch.Tensor) -> dict[str, Any]:
+    """One forward and backward of model(x): bytes held after the forward and at the peak (LiveBytes), the
+    matmul FLOPs of a forward and of a whole step, and the gradients (whole: a collective under FSDP)."""
+    model.zero_grad(set_to_none=True)
+    with attention_backend("flash"), LiveBytes() as live:
+        out = model(x)
+        held = live.now()
+        loss_of(out).backward()
+    gradients = list(full_gradients(model).values())
+    model.zero_grad(set_to_none=True)
+    with attention_backend("flash"):
+        forward = matmul_flops(lambda: model(x))
+        step = matmul_flops(lambda: loss_of(model(x)).backward())
+    model.zero_grad(set_to_none=True)
+    return {"held": held, "peak": live.peak, "forward flops": forward, "step flops": step, "gradients": gradients}
+
+
+def time_steps(models: dict[str, nn.Module], x: torch.Tensor, reps: int = 5) -> dict[str, float]:
+    """Median seconds of one forward and backward per model, the models taking turns (load hits them alike)."""
+    seconds: dict[str, list[float]] = {name: [] for name in models}
+    sync: Callable[[], None] = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    for _ in range(reps + 1):  # the first round warms up
+        for name, model in models.items():
+            sync()
+            start = time.perf_counter()
+            with attention_backend("flash"):
+                loss_of(model(x)).backward()
+            sync()
+            seconds[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values[1:]) for name, values in seconds.items()}
+
+
+def cuda_memory(fn: Callable[[], Any], device: torch.device) -> dict[str, int]:
+    """torch.cuda's allocator view of fn(): bytes allocated at its peak and when it ends, above those before."""
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return {
+        "peak": torch.cuda.max_memory_allocated(device) - before,
+        "end": torch.cuda.memory_allocated(device) - before,
+    }

@@ -1,0 +1,109 @@
+"""A real out-of-memory under a memory limit set for this process, and the rungs of the ladder that fix it.
+
+On the CPU, `resource.setrlimit(RLIMIT_AS)` caps the process's address space: an allocation beyond it fails
+inside torch's CPU allocator ("DefaultCPUAllocator: can't allocate memory"). On a GPU,
+`torch.cuda.set_per_process_memory_fraction` caps what the caching allocator may take: `torch.OutOfMemoryError`.
+Both are RuntimeErrors raised by the op that asked for the memory, on the rank that ran out.
+"""
+
+from __future__ import annotations
+
+import re
+import resource
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+MiB = 2**20
+
+
+def mapped_bytes() -> int:
+    """This process's address space now (VmSize in /proc/self/status)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmSize in /proc/self/status: RLIMIT_AS limits need Linux")
+
+
+@contextmanager
+def memory_limit(extra_bytes: int, device: torch.device | None = None) -> Iterator[None]:
+    """Let this process allocate at most `extra_bytes` more on `device` inside the block; the limit is lifted after.
+
+    CPU: the soft RLIMIT_AS becomes the address space mapped now plus extra_bytes (the hard limit is untouched, so
+    it can be raised back). CUDA: the caching allocator may hold what is allocated now plus extra_bytes.
+    """
+    device = device or torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(device).total_memory
+        fraction = (torch.cuda.memory_allocated(device) + extra_bytes) / total
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
+        try:
+            yield
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (mapped_bytes() + extra_bytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """torch's out-of-memory errors: CUDA's OutOfMemoryError, the CPU allocator's "can't allocate memory"."""
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
+    )
+
+
+def short_message(error: BaseException) -> str:
+    """The first line of an out-of-memory error without the source location or byte count (they vary)."""
+    first = str(error).strip().splitlines()[0]
+    first = re.sub(r"\[enforce fail at [^\]]*\]\s*(err == 0\.\s*)?", "", first)
+    return f"{type(error).__name__}: " + re.sub(r":? ?you tried to allocate \d+ bytes.*", "", first).strip()
+
+
+def attempt(step: Callable[[], Any]) -> dict[str, Any]:
+    """Run step(): {"ok": True, "value": what it returned}, or after an out-of-memory error (only those are
+    caught) {"ok": False, "error": its short message}."""
+    try:
+        value = step()
+    except Exception as error:  # only out-of-memory is expected here: anything else propagates
+        if not is_out_of_memory(error):
+            raise
+        return {"ok": False, "error": short_message(error), "value": None}
+    return {"ok": True, "error": "", "value": value}
+
+
+def train_step(model: nn.Module, x: torch.Tensor, micro_batches: int = 1) -> float:
+    """Gradients of the mean of model(x)² over the batch, accumulated over `micro_batches` slices of x.
+
+    Each slice's loss is divided by the number of slices, so the summed gradients are those of the whole batch;
+    only one slice's activations are alive at a time. Returns the loss (a float: no graph is kept).
+    """
+    total = 0.0
+    for chunk in x.chunk(micro_batches):
+        loss = model(chunk).float().square().mean() / micro_batches
+        loss.backward()
+        total += loss.item()
+    return total
+
+
+def unmap_freed_memory(threshold: int = 128 * 1024) -> None:
+    """Make glibc's malloc map every allocation from `threshold` bytes up on its own, and unmap it when freed.
+
+    By default glibc raises that threshold as large blocks are freed and then keeps freed memory in its heap, so the
+    address space a process maps depends on its history; with a fixed threshold it follows the live tensors, and a
+    limit set above it means the same thing every time. (M_MMAP_THRESHOLD is mallopt's parameter -3.)
+    """
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    if libc.mallopt(-3, threshold) != 1:
+        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed")
