@@ -22,7 +22,7 @@ def draw_layouts(seq_len: int, world_size: int) -> None:
         for r, mine in enumerate(all_positions(layout, seq_len, world_size)):
             owner[mine] = r  # the rank holding query q computes row q
         picture = torch.ones(seq_len, seq_len, 4)
-        colours = torch.tensor([plt.cm.tab10(r % 10) for r in range(world_size)])
+        colours = torch.tensor([plt.cm.tab10(r % 10) for r in range(world_size)], dtype=torch.float32)
         keep = torch.tril(torch.ones(seq_len, seq_len, dtype=torch.bool))
         picture[keep] = colours[owner[:, None].expand(seq_len, seq_len)[keep]]
         ax.imshow(picture.numpy(), interpolation="nearest")
@@ -85,7 +85,7 @@ def draw_cp_explorer(seq_len_k: int, ranks: int, link: str) -> None:
     ns = [n for n in (1, 2, 4, 8, 16, 32, 64) if n * 2 <= seq]
     gib = 2**30
     fig, (mem, comm) = plt.subplots(1, 2, figsize=(10, 3.6))
-    mem.plot(ns, [saved_bytes(seq // n, 1, heads, dim, e) / gib for n in ns], "o-", label="saved for backward")
+    mem.plot(ns, [saved_bytes(seq // n, 1, heads, dim, e) / gib for n in ns], "o-", label="attention's saved tensors")
     mem.plot(
         ns, [heads * (seq // n) ** 2 * e / gib for n in ns], "s--", label="one step's score block (if materialised)"
     )
@@ -93,6 +93,8 @@ def draw_cp_explorer(seq_len_k: int, ranks: int, link: str) -> None:
     mem.set(
         xscale="log", yscale="log", xlabel="ranks N", ylabel="GiB per rank per layer", title=f"memory, S = {seq_len_k}k"
     )
+    mem.set_xticks(ns, [str(n) for n in ns])
+    mem.minorticks_off()
     mem.legend(fontsize=8)
     flops, bandwidth = 400e12, LINKS[link]  # 400 TFLOP/s: a realistic bf16 rate on an H100
     chunk = seq / ranks

@@ -31,6 +31,17 @@ def positions(layout: str, seq_len: int, world_size: int, rank: int) -> torch.Te
     return torch.cat([torch.arange(offsets[c], offsets[c + 1]) for c in chunks])
 
 
+def describe(held: torch.Tensor) -> str:
+    """Positions as runs: "0-12, 37-49"."""
+    runs: list[list[int]] = []
+    for p in held.tolist():
+        if runs and p == runs[-1][1] + 1:
+            runs[-1][1] = p
+        else:
+            runs.append([p, p])
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+
+
 def all_positions(layout: str, seq_len: int, world_size: int) -> list[torch.Tensor]:
     """`positions` of every rank, in rank order."""
     return [positions(layout, seq_len, world_size, r) for r in range(world_size)]

@@ -117,6 +117,7 @@ class RingAttention(torch.autograd.Function):
             rows, cols = visible_rectangle(held[r], held[owner], causal)
             if len(rows) and len(cols):  # a block entirely in this rank's future (causal) costs nothing
                 q_pos, k_pos = _mask(held[r][rows], held[owner][cols], causal)
+                rows, cols = rows.to(q.device), cols.to(q.device)
                 kv_part = kv[:, :, :, cols]
                 block_out, block_lse = block_attention(q[:, :, rows], kv_part[0], kv_part[1], q_pos, k_pos)
                 out[:, :, rows], lse[:, :, rows] = merge_partials(
@@ -147,13 +148,11 @@ class RingAttention(torch.autograd.Function):
                 works, incoming = ring.post(kv, _block_shape(kv, held, upstream), "backward K/V")
             rows, cols = visible_rectangle(held[r], held[owner], causal)
             if len(rows) and len(cols):
-                q_rows, dout_rows, k_cols, v_cols = (
-                    q[:, :, rows],
-                    dout[:, :, rows],
-                    kv[0][:, :, cols],
-                    kv[1][:, :, cols],
-                )
-                scores = _scores(q_rows, k_cols, *_mask(held[r][rows], held[owner][cols], causal))
+                q_pos, k_pos = _mask(held[r][rows], held[owner][cols], causal)
+                rows, cols = rows.to(q.device), cols.to(q.device)
+                q_rows, dout_rows = q[:, :, rows], dout[:, :, rows]
+                k_cols, v_cols = kv[0][:, :, cols], kv[1][:, :, cols]
+                scores = _scores(q_rows, k_cols, q_pos, k_pos)
                 p = torch.exp(scores - lse[:, :, rows].unsqueeze(-1))  # the final probabilities of these keys
                 ds = p * (dout_rows @ v_cols.transpose(-2, -1) - delta[:, :, rows]) * q.shape[-1] ** -0.5
                 dq[:, :, rows] += ds @ k_cols

@@ -28,7 +28,7 @@ from course_lib.expert_parallel.router import (
     keep_within_capacity,
     load_balancing_loss,
 )
-from course_lib.expert_parallel.train import train_load_balance
+from course_lib.expert_parallel.train import token_batch, train_load_balance
 
 __all__ = [
     "TRAFFIC",
@@ -53,6 +53,7 @@ __all__ = [
     "load_balancing_loss",
     "make_experts",
     "run_experts",
+    "token_batch",
     "torch_all_to_all",
     "train_load_balance",
 ]

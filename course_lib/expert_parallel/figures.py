@@ -25,6 +25,8 @@ def draw_tokens_per_expert(routed: Sequence[torch.Tensor], kept: Sequence[torch.
         ax.bar(experts, (routed[r] - kept[r]).tolist(), bottom=kept[r].tolist(), color="lightgray", hatch="//")
         ax.axhline(cap, color="black", lw=0.8, ls="--")
         ax.set_title(f"rank {r}'s tokens: {int((routed[r] - kept[r]).sum())} dropped", fontsize=9)
+        ax.set_xticks(list(experts))
+        ax.tick_params(axis="x", labelsize=7)
         ax.set_xlabel("expert (colour: the rank holding it)")
     axes[0][0].set_ylabel(f"assignments (capacity {cap}, dashed)")
     plt.tight_layout()

@@ -77,9 +77,16 @@ class ExpertParallelMoE(nn.Module):
         recv_splits = received.sum(1).tolist()
         rows = self.exchange(x[token], send_splits, recv_splits, self.group, "dispatch")
         # rows arrive by source rank, and from each source grouped by my experts
-        local = torch.repeat_interleave(torch.arange(self.per_rank).repeat(len(received)), received.flatten())
-        outputs = run_experts(self.experts, rows, local.to(rows.device))
+        mine = torch.arange(self.per_rank, device=received.device).repeat(len(received))
+        outputs = run_experts(self.experts, rows, torch.repeat_interleave(mine, received.flatten()))
         back = self.exchange(outputs, recv_splits, send_splits, self.group, "combine")
         y = torch.zeros_like(x).index_add(0, token, back * routing.gates[token, choice].unsqueeze(-1))
         self.last = dict(sent=per_expert, received=received, send_splits=torch.tensor(send_splits))
         return y, routing
+
+    def global_name(self, name: str) -> str:
+        """My parameter `name` as the single-process MoE names it: "experts.1.up.weight" -> "experts.7.up.weight"."""
+        if not name.startswith("experts."):
+            return name
+        _, index, rest = name.split(".", 2)
+        return f"experts.{self.first + int(index)}.{rest}"

@@ -17,6 +17,13 @@ from course_lib.expert_parallel.cost import imbalance
 from course_lib.expert_parallel.moe import ExpertParallelMoE
 
 
+def token_batch(tokens: int, d_model: int, rank: int, step: int = 0, shift: float = 1.0, seed: int = 0) -> torch.Tensor:
+    """Rank `rank`'s tokens at `step`: Gaussian around a common direction of length ≈ shift·√d (seeded)."""
+    direction = shift * torch.randn(d_model, generator=torch.Generator().manual_seed(seed))
+    mine = torch.Generator().manual_seed(1_000_003 * (seed + 1) + 1009 * rank + step)
+    return torch.randn(tokens, d_model, generator=mine) + direction
+
+
 def train_load_balance(
     moe: ExpertParallelMoE,
     steps: int = 30,
@@ -29,13 +36,11 @@ def train_load_balance(
     """Train `moe` for `steps` Adam steps; per step: imbalance and dropped share over every rank's tokens, loss."""
     group, n, rank = moe.group, dist.get_world_size(moe.group), dist.get_rank(moe.group)
     d = moe.router.gate.in_features
-    teacher = torch.Generator().manual_seed(seed)
-    mix, direction = torch.randn(d, d, generator=teacher) / d**0.5, shift * torch.randn(d, generator=teacher)
-    mine = torch.Generator().manual_seed(seed + 1 + rank)  # every rank its own tokens
+    mix = torch.randn(d, d, generator=torch.Generator().manual_seed(seed + 1)) / d**0.5
     optimizer = torch.optim.Adam(moe.parameters(), lr=lr)
     history = []
-    for _ in range(steps):
-        x = torch.randn(tokens, d, generator=mine) + direction
+    for step in range(steps):
+        x = token_batch(tokens, d, rank, step + 1, shift, seed)  # every rank its own tokens
         y, routing = moe(x)
         task = F.mse_loss(y, torch.tanh(x @ mix))
         optimizer.zero_grad()

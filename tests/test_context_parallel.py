@@ -1,0 +1,256 @@
+"""course_lib.context_parallel: layouts, the online-softmax merge, ring attention on 2-4 gloo ranks against full
+attention on one process (outputs and gradients, lengths not divisible by N), the bytes against the formula, the
+context-parallel TransformerBlock, torch's layout, and the exercise's checker against its solution and wrong answers.
+
+The multi-rank programs are functions of this file sent to the ranks as source (see `on_ranks`), each
+self-contained (imports inside).
+"""
+
+import inspect
+import runpy
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from course_lib import context_parallel as cp
+from course_lib.exercises import check, check_prediction
+from course_lib.launch import launch
+
+SOLUTIONS = runpy.run_path(
+    str(Path(__file__).parent.parent / "notebooks" / "solutions" / "09_context_and_expert_parallel.py")
+)
+
+
+def on_ranks(program, nproc: int, **kwargs) -> list[dict]:
+    """program(rank, world_size, **kwargs) -> dict on `nproc` gloo ranks; each rank's dict, by rank."""
+    body = textwrap.dedent(inspect.getsource(program))
+    body += f"\nresult = {program.__name__}(rank, world_size, **program_kwargs)\n"
+    done = launch(
+        body, nproc, backend="gloo", out=["result"], push={"program_kwargs": kwargs}, write=lambda text, stream: None
+    )
+    return done.values["result"]
+
+
+# ---- one process -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", cp.LAYOUTS)
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("seq_len", [12, 48, 50, 53])
+def test_layouts_partition_the_sequence(layout, n, seq_len):
+    held = cp.all_positions(layout, seq_len, n)
+    assert sorted(torch.cat(held).tolist()) == list(range(seq_len))
+    sizes = [len(h) for h in held]
+    assert max(sizes) - min(sizes) <= (1 if layout == "contiguous" else 2)
+    x = torch.randn(2, seq_len, 3)
+    shards = [cp.shard_sequence(x, h, 1) for h in held]
+    assert torch.equal(cp.unshard_sequence(shards, held, 1), x)
+
+
+def test_zigzag_balances_the_causal_work():
+    for n in (2, 3, 4, 6):
+        s, c = 48, 48 // n
+        assert [sum(w) for w in cp.causal_work("zigzag", s, n)] == [s * (s + 1) // (2 * n)] * n
+        assert [sum(w) for w in cp.causal_work("contiguous", s, n)] == [c * (c + 1) // 2 + r * c * c for r in range(n)]
+        slowest = {layout: sum(max(step) for step in zip(*cp.computed_work(layout, s, n))) for layout in cp.LAYOUTS}
+        assert slowest == {"contiguous": n * c * c, "zigzag": c * c + (n - 1) * c * c // 2}
+    assert cp.positions("zigzag", 50, 2, 0).tolist() == list(range(13)) + list(range(38, 50))
+    assert cp.describe(cp.positions("zigzag", 50, 2, 0)) == "0-12, 38-49"
+    with pytest.raises(ValueError, match="at least 8 tokens"):
+        cp.positions("zigzag", 7, 4, 0)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        cp.positions("striped", 8, 2, 0)
+
+
+def test_blocks_merged_equal_full_causal_attention():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 10, 4, dtype=torch.float64) for _ in range(3))
+    positions = torch.arange(10)
+    out = lse = None
+    for block in (torch.arange(0, 4), torch.arange(4, 7), torch.arange(7, 10)):  # later blocks mask whole rows
+        o, s = cp.block_attention(q, k[:, :, block], v[:, :, block], positions, positions[block])
+        out, lse = (o, s) if out is None else cp.merge_partials(out, lse, o, s)
+    assert torch.allclose(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-12)
+    rows, cols = cp.visible_rectangle(torch.tensor([0, 1, 6, 7]), torch.tensor([2, 3, 4, 5]))
+    assert rows.tolist() == [2, 3] and cols.tolist() == [0, 1, 2, 3]
+
+
+def test_cost_formulas():
+    for n in (2, 3, 4):
+        every = [cp.ring_bytes("zigzag", 48, n, r, 2, 4, 8, 4) for r in range(n)]
+        assert all(sum(b.values()) == cp.ring_bytes_even(48, n, 2, 4, 8, 4) for b in every)
+        assert every[0]["forward K/V"] == SOLUTIONS["predicted_forward_bytes"](n)
+    assert cp.ring_bytes("zigzag", 48, 1, 0, 2, 4, 8, 4) == {"forward K/V": 0, "backward K/V": 0, "backward dK/dV": 0}
+    assert cp.saved_bytes(10, 2, 4, 8, 4) == (4 * 8 + 1) * 2 * 4 * 10 * 4
+    assert cp.overlap_tokens(400e12, 450e9, 2) == pytest.approx(1777.8, rel=1e-4)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_forward_bytes_prediction(n, capsys):
+    measured = cp.ring_bytes("zigzag", 48, n, 0, 2, 4, 8, 4)["forward K/V"]
+    assert check_prediction("forward bytes", SOLUTIONS["predicted_forward_bytes"](n), measured, rtol=0.01) is True
+    for wrong in (measured / 2, measured * n / (n - 1), 2 * 2 * 4 * 48 * 8 * 4):  # K only; N steps; whole S
+        assert check_prediction("forward bytes", wrong, measured, rtol=0.01) is False
+    assert check_prediction("forward bytes", None, measured) is None
+    capsys.readouterr()
+
+
+# ---- on the ranks ------------------------------------------------------------------------------------
+
+
+def ring_against_full_attention(rank, world_size):
+    import torch
+    import torch.nn.functional as F
+
+    from course_lib import context_parallel as cp
+
+    errors, traffic_ok, traces = [], [], []
+    for seq_len in (48, 50, 53):
+        for layout in cp.LAYOUTS:
+            for causal in (True, False):
+                torch.manual_seed(seq_len)
+                q, k, v = (torch.randn(2, 4, seq_len, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+                grad_out = torch.randn(2, 4, seq_len, 8, dtype=torch.float64)
+                F.scaled_dot_product_attention(q, k, v, is_causal=causal).backward(grad_out)
+                reference = F.scaled_dot_product_attention(q, k, v, is_causal=causal).detach()
+                held = cp.all_positions(layout, seq_len, world_size)
+                mine = [cp.shard_sequence(t.detach(), held[rank], 2).requires_grad_() for t in (q, k, v)]
+                cp.TRAFFIC.clear()
+                trace = []
+                out = cp.ring_attention(*mine, held, causal=causal, trace=trace)
+                out.backward(cp.shard_sequence(grad_out, held[rank], 2))
+                got = [out.detach()] + [m.grad for m in mine]
+                want = [reference, q.grad, k.grad, v.grad]
+                errors.append(
+                    max(float((a - cp.shard_sequence(b, held[rank], 2)).abs().max()) for a, b in zip(got, want))
+                )
+                # float64 elements are 8 bytes
+                traffic_ok.append(dict(cp.TRAFFIC) == cp.ring_bytes(layout, seq_len, world_size, rank, 2, 4, 8, 8))
+                traces.append([(e["phase"], e["step"], e["owner"]) for e in trace])
+    return dict(errors=errors, traffic_ok=traffic_ok, traces=traces)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_ring_attention_equals_full_attention(n):
+    for rank, result in enumerate(on_ranks(ring_against_full_attention, n)):
+        assert max(result["errors"]) < 1e-12, (n, rank, result["errors"])
+        assert all(result["traffic_ok"]), (n, rank)
+        for trace in result["traces"]:
+            owners = [owner for phase, _, owner in trace if phase == "forward"]
+            assert owners == [(rank - t) % n for t in range(n)]
+            assert len(trace) == 2 * n
+
+
+def block_and_torch_layout(rank, world_size):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from course_lib import compare
+    from course_lib import context_parallel as cp
+    from course_lib.models import TransformerBlock
+
+    torch.manual_seed(1)
+    x = torch.randn(2, 50, 48)
+    full = TransformerBlock()
+    x_full = x.clone().requires_grad_()
+    full(x_full).pow(2).sum().backward()
+    held = cp.all_positions("zigzag", 50, world_size)
+    block = cp.ContextParallelBlock(TransformerBlock(), held)
+    x_mine = cp.shard_sequence(x, held[rank], 1).requires_grad_()
+    y = block(x_mine)
+    y.pow(2).sum().backward()
+    cp.sum_gradients(block)
+    grads = dict(full.named_parameters())
+    saved_full = compare.saved_activation_bytes(TransformerBlock(), x.clone().requires_grad_())
+    saved_mine = compare.saved_activation_bytes(
+        cp.ContextParallelBlock(TransformerBlock(), held), cp.shard_sequence(x, held[rank], 1).requires_grad_()
+    )
+    mesh = init_device_mesh("cpu", (world_size,))
+    try:
+        q, k, v, g = (torch.randn(1, 2, 8 * world_size, 4) for _ in range(4))
+        cp.torch_ring_attention(q, k, v, g, mesh)
+        refusal = "ran"
+    except NotImplementedError as error:
+        refusal = str(error)
+    return dict(
+        output=compare.relative_error(y, cp.shard_sequence(full(x), held[rank], 1)),
+        input_grad=compare.relative_error(x_mine.grad, cp.shard_sequence(x_full.grad, held[rank], 1)),
+        grads=max(compare.relative_error(p.grad, grads[n].grad) for n, p in block.named_parameters()),
+        saved=(saved_mine, saved_full * len(held[rank]) / 50),
+        torch_48=cp.torch_positions(48, mesh).tolist(),
+        ours_48=cp.positions("zigzag", 48, world_size, rank).tolist(),
+        refusal=refusal,
+    )
+
+
+def test_block_memory_and_torch_layout():
+    for result in on_ranks(block_and_torch_layout, 3):
+        assert max(result["output"], result["input_grad"], result["grads"]) < 1e-5, result
+        assert result["saved"][0] == result["saved"][1]
+        assert result["torch_48"] == result["ours_48"]
+        assert "_scaled_dot_product_flash_attention_for_cpu" in result["refusal"]
+
+
+# ---- the exercise ------------------------------------------------------------------------------------
+
+
+def stub_ring_forward(q, k, v):
+    raise NotImplementedError  # your code here
+
+
+def local_ring_forward(q, k, v):
+    from course_lib import context_parallel as cp
+
+    return cp.block_attention(q, k, v)[0]  # only this rank's keys
+
+
+def gathered_ring_forward(q, k, v):
+    import torch
+    import torch.distributed as dist
+
+    from course_lib import context_parallel as cp
+
+    ks = [torch.empty_like(k) for _ in range(dist.get_world_size())]
+    vs = [torch.empty_like(v) for _ in range(dist.get_world_size())]
+    dist.all_gather(ks, k)  # not a ring: everyone gets everything
+    dist.all_gather(vs, v)
+    return cp.block_attention(q, torch.cat(ks, dim=2), torch.cat(vs, dim=2))[0]
+
+
+def averaged_ring_forward(q, k, v):
+    import torch
+    import torch.distributed as dist
+
+    from course_lib import context_parallel as cp
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    total, kv = 0, torch.stack([k, v])
+    for step in range(n):
+        total = total + cp.block_attention(q, kv[0], kv[1])[0] / n  # averages instead of the online softmax
+        if step < n - 1:
+            incoming = torch.empty_like(kv)
+            ops = [dist.P2POp(dist.isend, kv, (rank + 1) % n), dist.P2POp(dist.irecv, incoming, (rank - 1) % n)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            kv = incoming
+    return total
+
+
+def test_ring_forward_checker(capsys):
+    checker = cp.check_ring_forward
+    assert check(stub_ring_forward, checker, nproc=2, backend="gloo") is None
+    assert "not attempted yet" in capsys.readouterr().out
+    for n in (2, 3):
+        assert check(SOLUTIONS["ring_forward"], checker, nproc=n, backend="gloo") is True
+    capsys.readouterr()
+    for wrong, says in (
+        (local_ring_forward, "sent no message"),
+        (gathered_ring_forward, "dist.all_gather is not allowed"),
+        (averaged_ring_forward, "elements wrong"),
+    ):
+        assert check(wrong, checker, nproc=3, backend="gloo") is False, wrong.__name__
+        out = capsys.readouterr().out
+        assert "rank " in out and says in out, (wrong.__name__, out)
