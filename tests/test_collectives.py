@@ -1,5 +1,6 @@
 """course_lib.collectives: the from-scratch ring against torch's collectives on real gloo ranks,
-the cost model, the ring schedule the explorer draws, and the exercise checkers."""
+the ring stepped one step at a time against the schedule the explorer draws, the collectives the live
+explorer runs, the cost model, and the exercise checkers."""
 
 import runpy
 from pathlib import Path
@@ -10,8 +11,9 @@ import torch.distributed as dist
 
 from course_lib import collectives
 from course_lib.exercises import check, check_prediction
+from course_lib.launch import launch
 from tests.rank_programs import collectives as rank_programs
-from tests.rank_programs import run
+from tests.rank_programs import quiet, run
 from tests.rank_programs.process_groups import judge
 
 
@@ -21,6 +23,78 @@ def test_ring_matches_torch(world_size):
     results = run(rank_programs.against_torch, world_size, timeout=120)
     problems = [p for per_rank in results for p in per_rank["problems"]]
     assert problems == []
+
+
+def stepped_ring_and_explorer(rank, world_size):
+    """On the ranks: the ring one step at a time (the notebook's 2^r buffers) against the simulated
+    states and dist.all_reduce, and every collective of the live explorer at two sizes."""
+    from course_lib import collectives as C
+
+    problems = []
+    states = C.ring_all_reduce_states(world_size)
+    for numel in (world_size, 2 * world_size + 1):  # one element per chunk, and uneven chunks
+        buf = torch.full((numel,), 2.0**rank)
+        offsets = C.chunk_offsets(C.chunk_sizes(numel, world_size))
+        steps = [("reduce_scatter", C.reduce_scatter_step_), ("all_gather", C.all_gather_step_)]
+        k = 0
+        for phase, step_ in steps:
+            for step in range(world_size - 1):
+                step_(buf, offsets, step)
+                k += 1
+                chunks = [buf[offsets[c] : offsets[c + 1]] for c in range(world_size)]
+                held = [C.contributors(chunk[0].item(), world_size) for chunk in chunks]
+                if any(len(set(chunk.tolist())) != 1 for chunk in chunks) or held != states[k]["holds"][rank]:
+                    problems.append(f"rank {rank}: {phase} step {step} of {numel} elements holds {held}")
+        expected = torch.full((numel,), 2.0**rank)
+        dist.all_reduce(expected)
+        if not torch.equal(buf, expected):
+            problems.append(f"rank {rank}: the stepped ring of {numel} elements differs from dist.all_reduce")
+    ran = {(name, k): C.run_collective(name, k) for name in C.COLLECTIVES for k in (1, 3)}
+    return {"problems": problems, "ran": ran}
+
+
+def expected_collective(name, k, n):
+    """What run_collective leaves on each rank, from the example data alone: [(before, after)] by rank."""
+    xs = [collectives.example_data(r, n, k) for r in range(n)]
+    total = torch.stack(xs).sum(0)
+    shares = [x[:k] for x in xs]
+    return [
+        {
+            "broadcast": (xs[r], xs[0]),
+            "reduce": (xs[r], total if r == 0 else None),
+            "all_reduce": (xs[r], total),
+            "gather": (shares[r], torch.cat(shares) if r == 0 else None),
+            "scatter": (xs[0] if r == 0 else None, xs[0][r * k : (r + 1) * k]),
+            "all_gather_single": (shares[r], torch.cat(shares)),
+            "reduce_scatter_single": (xs[r], total[r * k : (r + 1) * k]),
+            "all_to_all_single": (xs[r], torch.cat([x[r * k : (r + 1) * k] for x in xs])),
+        }[name]
+        for r in range(n)
+    ]
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_stepped_ring_and_live_explorer(world_size):
+    # by its importable name: pytest imports this file as `test_collectives`, which a rank cannot import
+    body = "from tests.test_collectives import stepped_ring_and_explorer as f\nresult = f(rank, world_size)\n"
+    results = launch(body, world_size, backend="gloo", out=["result"], timeout=120, write=quiet).values["result"]
+    assert [p for per_rank in results for p in per_rank["problems"]] == []
+    for (name, k), _ in results[0]["ran"].items():
+        expected = expected_collective(name, k, world_size)
+        for r in range(world_size):
+            for got, want in zip(results[r]["ran"][name, k], expected[r]):
+                assert (got is None and want is None) or torch.equal(got, want), (name, k, r, got, want)
+
+
+def test_contributions_decode_and_label():
+    assert collectives.contributors(2**0 + 2**2, 3) == {0, 2}
+    assert collectives.contribution_label({2, 0}, 3) == "0+2"
+    assert collectives.contribution_label({0, 1, 2}, 3) == "Σ"
+    assert collectives.describe_chunks(torch.tensor([7.0, 2.0]), 3) == "chunk 0: Σ      chunk 1: 1"
+    assert collectives.example_data(1, 2, 2).tolist() == [10, 11, 12, 13]
+    assert collectives.example_data(1, 4, 3)[0] == 100  # past 10 elements: 100r + i, values stay distinct
+    with pytest.raises(ValueError, match="unknown collective"):
+        collectives.run_collective("all_reduce_everything", 1)
 
 
 def test_chunk_sizes_match_tensor_split():
@@ -79,6 +153,9 @@ def test_draw_ring_step_runs():
 
     ax = collectives.draw_ring_step(4, 3)
     assert "reduce-scatter step 3 of 3" in ax.get_title()
+    held = [(torch.arange(4.0), None), (None, torch.arange(2.0))]
+    fig = collectives.draw_before_after(held, "reduce")
+    assert [ax.get_title() for ax in fig.axes] == ["reduce: before", "after"]
     plt.close("all")
 
 
@@ -249,11 +326,11 @@ def test_waiting_forever_replays_blocking_order():
 
 @pytest.mark.parametrize("nproc", [1, 2, 3, 4, 8])
 def test_ring_bytes_prediction(nproc, capsys):
-    S = 4 * 2**20
-    measured = collectives.bytes_sent_per_rank("all_reduce", S, nproc)  # asserted equal to the count in the notebook
+    S, npeers = 4 * 2**20, max(2, nproc)  # measured on the session's NPEERS ranks
+    measured = collectives.bytes_sent_per_rank("all_reduce", S, npeers)  # asserted equal to the count in the notebook
     assert check_prediction("bytes", solutions(nproc)["predicted_ring_bytes"], measured, rtol=0.02) is True
-    wrong = {"2S (the factor (N-1)/N forgotten)": 2 * S, "(N-1)/N S (one phase)": (nproc - 1) / nproc * S}
-    wrong["2(N-1) S (whole tensors)"] = 2 * (nproc - 1) * S
+    wrong = {"2S (the factor (N-1)/N forgotten)": 2 * S, "(N-1)/N S (one phase)": (npeers - 1) / npeers * S}
+    wrong["2(N-1) S (whole tensors)"] = 2 * (npeers - 1) * S
     for reasoning, value in wrong.items():
         if value != measured:
             assert check_prediction("bytes", value, measured, rtol=0.02) is False, reasoning

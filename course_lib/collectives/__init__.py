@@ -1,10 +1,13 @@
 """Notebook 01: collectives from point-to-point messages, their cost model, and a benchmark.
 
-    p2p        send_recv (both neighbours at once), the bytes-sent counter, the step recorder
-    ring       chunks, the ring schedule, ring reduce-scatter / all-gather / all-reduce, the naive all-reduce
+    p2p        send_recv (both neighbours at once), the bytes-sent counter
+    ring       chunks, the ring schedule, one ring step, ring reduce-scatter / all-gather / all-reduce,
+               the naive all-reduce
+    live       on the session's ranks: a collective by name on example data (the explorer), the 2^r
+               encoding that names the ranks a value contains
     cost       bytes sent per rank, bus factor, the alpha-beta model and its fit
     benchmark  timing collectives on every rank, the table of results
-    figures    kernel-only: the ring simulated step by step, who holds what
+    figures    kernel-only: the ring simulated step by step, who holds what before and after
     checkers   the exercises' checkers (solutions: notebooks/solutions/01_collectives.py)
 
 The notebook shows the two in-place ring phases from their module: collectives.ring._ring_reduce_scatter_.
@@ -13,12 +16,22 @@ The notebook shows the two in-place ring phases from their module: collectives.r
 from course_lib.collectives.benchmark import benchmark, collective_calls, format_table, human_bytes
 from course_lib.collectives.checkers import check_all_gather, check_pass_right, check_reduce_scatter, waiting_forever
 from course_lib.collectives.cost import alpha_beta_time, bus_factor, bytes_sent_per_rank, fit_alpha_beta
-from course_lib.collectives.figures import draw_holdings, draw_ring_step, ring_all_reduce_states
-from course_lib.collectives.p2p import record_steps, reset_traffic, send_recv, traffic
+from course_lib.collectives.figures import draw_before_after, draw_holdings, draw_ring_step, ring_all_reduce_states
+from course_lib.collectives.live import (
+    COLLECTIVES,
+    contribution_label,
+    contributors,
+    describe_chunks,
+    example_data,
+    run_collective,
+)
+from course_lib.collectives.p2p import reset_traffic, send_recv, traffic
 from course_lib.collectives.ring import (
+    all_gather_step_,
     chunk_offsets,
     chunk_sizes,
     naive_all_reduce,
+    reduce_scatter_step_,
     ring_all_gather,
     ring_all_reduce,
     ring_reduce_scatter,
@@ -26,6 +39,8 @@ from course_lib.collectives.ring import (
 )
 
 __all__ = [
+    "COLLECTIVES",
+    "all_gather_step_",
     "alpha_beta_time",
     "benchmark",
     "bus_factor",
@@ -36,19 +51,25 @@ __all__ = [
     "chunk_offsets",
     "chunk_sizes",
     "collective_calls",
+    "contribution_label",
+    "contributors",
+    "describe_chunks",
+    "draw_before_after",
     "draw_holdings",
     "draw_ring_step",
+    "example_data",
     "fit_alpha_beta",
     "format_table",
     "human_bytes",
     "naive_all_reduce",
-    "record_steps",
+    "reduce_scatter_step_",
     "reset_traffic",
     "ring_all_gather",
     "ring_all_reduce",
     "ring_all_reduce_states",
     "ring_reduce_scatter",
     "ring_step",
+    "run_collective",
     "send_recv",
     "traffic",
     "waiting_forever",

@@ -7,10 +7,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from course_lib.collectives.live import contribution_label
 from course_lib.collectives.ring import ring_step
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 
 # ---------------------------------------------------------------------------
@@ -62,7 +64,7 @@ def draw_ring_step(world_size: int, step: int, ax: Axes | None = None) -> Axes:
         for c in range(n):
             count = len(state["holds"][r][c])
             ax.add_patch(plt.Rectangle((c, n - 1 - r), 0.94, 0.9, color=cmap(0.15 + 0.8 * count / n)))
-            label = "Σ" if count == n else "+".join(str(k) for k in sorted(state["holds"][r][c]))
+            label = contribution_label(state["holds"][r][c], n)
             ax.text(
                 c + 0.47,
                 n - 0.45 - r,
@@ -129,3 +131,20 @@ def draw_holdings(
     ax.set_title(title, fontsize=8)
     for side in ("top", "right", "bottom", "left"):
         ax.spines[side].set_visible(False)
+
+
+def draw_before_after(held: Sequence[tuple[Any, Any]], title: str) -> Figure:
+    """Two panels, one row per rank in each: every rank's buffer before and after a collective.
+
+    `held[r]` is rank r's (before, after), None where the collective reads or defines nothing there.
+    """
+    import matplotlib.pyplot as plt
+
+    shown = [torch.as_tensor(v).reshape(-1) for pair in held for v in pair if v is not None]
+    top = max(float(v.max()) for v in shown) or 1.0
+    columns = max(v.numel() for v in shown)
+    fig, (ax_before, ax_after) = plt.subplots(1, 2, figsize=(2 + 0.7 * columns, 0.7 + 0.35 * len(held)))
+    draw_holdings(ax_before, [before for before, _ in held], f"{title}: before", top, columns)
+    draw_holdings(ax_after, [after for _, after in held], "after", top, columns)
+    fig.tight_layout()
+    return fig

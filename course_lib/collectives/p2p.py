@@ -1,21 +1,17 @@
 """Point-to-point plumbing of the from-scratch collectives: one exchange with both neighbours at once,
-a counter of the bytes sent, and a recorder of the buffer after every ring step.
+and a counter of the bytes sent.
 
-The counter and the recorder are module state on purpose: the notebook reads them on each rank
-after the algorithms ran, without threading a logger through every call.
+The counter is module state on purpose: the notebook reads it on each rank after the algorithms
+ran, without threading a logger through every call.
 """
 
 from __future__ import annotations
-
-from types import TracebackType
 
 import torch
 import torch.distributed as dist
 
 # Bytes this process handed to dist.isend in the from-scratch algorithms (see reset_traffic).
 _traffic = {"bytes_sent": 0, "messages": 0}
-# While record_steps() is active: (phase, step, copy of the flat buffer) after every ring step.
-_recorded_steps: list[tuple[str, int, torch.Tensor]] | None = None
 
 
 def reset_traffic() -> None:
@@ -26,27 +22,6 @@ def reset_traffic() -> None:
 def traffic() -> dict[str, int]:
     """Bytes and messages this rank sent since reset_traffic()."""
     return dict(_traffic)
-
-
-class record_steps:
-    """Context manager: ``with record_steps() as steps:`` collects (phase, step, buffer copy) after
-    every ring step of this rank, so the notebook can compare the real ring with the picture."""
-
-    def __enter__(self) -> list[tuple[str, int, torch.Tensor]]:
-        global _recorded_steps
-        _recorded_steps = []
-        return _recorded_steps
-
-    def __exit__(
-        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
-    ) -> None:
-        global _recorded_steps
-        _recorded_steps = None
-
-
-def _after_step(phase: str, step: int, flat: torch.Tensor) -> None:
-    if _recorded_steps is not None:
-        _recorded_steps.append((phase, step, flat.detach().cpu().clone()))
 
 
 def _peer(group: dist.ProcessGroup | None, group_rank: int) -> int:

@@ -15,6 +15,8 @@ every chunk's size, so no sizes need to be exchanged.
 
 :func:`ring_step` is the schedule (which chunk each rank sends and receives at
 step k); the implementation and the notebook's step-by-step figure both use it.
+:func:`reduce_scatter_step_` and :func:`all_gather_step_` are one step each, in place on a
+flat buffer: the phases loop over them, and the notebook runs them one at a time on live ranks.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from course_lib.collectives.p2p import _after_step, _peer, _traffic, send_recv
+from course_lib.collectives.p2p import _peer, _traffic, send_recv
 
 # ---------------------------------------------------------------------------
 # Chunks and the ring schedule
@@ -62,7 +64,7 @@ def ring_step(rank: int, world_size: int, step: int, phase: str) -> tuple[int, i
 
 
 # ---------------------------------------------------------------------------
-# One ring phase, in place on a flat buffer
+# One ring step, and one ring phase, in place on a flat buffer
 
 
 _COMBINE = {
@@ -80,37 +82,61 @@ def _op_name(op: dist.ReduceOp.RedOpType) -> str:
     raise ValueError(f"the ring supports ReduceOp SUM, AVG, MAX and MIN, got {op}")
 
 
+def reduce_scatter_step_(
+    flat: torch.Tensor,
+    offsets: Sequence[int],
+    step: int,
+    op_name: str = "SUM",
+    group: dist.ProcessGroup | None = None,
+    scratch: torch.Tensor | None = None,
+) -> None:
+    """Step `step` of the ring reduce-scatter, in place on the flat buffer: send one chunk to the
+    right neighbour, receive the left neighbour's partial chunk and combine it into this rank's copy.
+
+    `scratch` (at least one chunk long) receives the incoming chunk; None allocates one.
+    """
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    send_chunk, recv_chunk = ring_step(rank, n, step, "reduce_scatter")
+    start, end = offsets[recv_chunk], offsets[recv_chunk + 1]
+    if scratch is None:
+        scratch = torch.empty(end - start, dtype=flat.dtype, device=flat.device)
+    received = scratch[: end - start]
+    send_recv(flat[offsets[send_chunk] : offsets[send_chunk + 1]], (rank + 1) % n, received, (rank - 1) % n, group)
+    _COMBINE[op_name](flat[start:end], received)  # add what the left neighbour has accumulated so far
+
+
+def all_gather_step_(
+    flat: torch.Tensor, offsets: Sequence[int], step: int, group: dist.ProcessGroup | None = None
+) -> None:
+    """Step `step` of the ring all-gather, in place: send a finished chunk to the right neighbour,
+    receive the next finished chunk from the left one straight into its place (replacing a stale copy)."""
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    send_chunk, recv_chunk = ring_step(rank, n, step, "all_gather")
+    send_recv(
+        flat[offsets[send_chunk] : offsets[send_chunk + 1]],
+        (rank + 1) % n,
+        flat[offsets[recv_chunk] : offsets[recv_chunk + 1]],
+        (rank - 1) % n,
+        group,
+    )
+
+
 def _ring_reduce_scatter_(
     flat: torch.Tensor, offsets: list[int], op_name: str, group: dist.ProcessGroup | None = None
 ) -> None:
     """In place on the flat buffer: afterwards chunk `rank` holds the reduction over all ranks."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
-    combine = _COMBINE[op_name]
-    incoming = torch.empty(max(b - a for a, b in itertools.pairwise(offsets)), dtype=flat.dtype, device=flat.device)
+    scratch = torch.empty(max(b - a for a, b in itertools.pairwise(offsets)), dtype=flat.dtype, device=flat.device)
     for step in range(n - 1):
-        send_chunk, recv_chunk = ring_step(rank, n, step, "reduce_scatter")
-        start, end = offsets[recv_chunk], offsets[recv_chunk + 1]
-        received = incoming[: end - start]
-        send_recv(flat[offsets[send_chunk] : offsets[send_chunk + 1]], (rank + 1) % n, received, (rank - 1) % n, group)
-        combine(flat[start:end], received)  # add what the left neighbour has accumulated so far
-        _after_step("reduce_scatter", step, flat)
+        reduce_scatter_step_(flat, offsets, step, op_name, group, scratch)
     if op_name == "AVG":
         flat[offsets[rank] : offsets[rank + 1]].div_(n)
 
 
 def _ring_all_gather_(flat: torch.Tensor, offsets: list[int], group: dist.ProcessGroup | None = None) -> None:
     """In place on the flat buffer: chunk `rank` is valid before; every chunk is valid after."""
-    rank, n = dist.get_rank(group), dist.get_world_size(group)
-    for step in range(n - 1):
-        send_chunk, recv_chunk = ring_step(rank, n, step, "all_gather")
-        send_recv(
-            flat[offsets[send_chunk] : offsets[send_chunk + 1]],
-            (rank + 1) % n,
-            flat[offsets[recv_chunk] : offsets[recv_chunk + 1]],
-            (rank - 1) % n,
-            group,
-        )
-        _after_step("all_gather", step, flat)
+    for step in range(dist.get_world_size(group) - 1):
+        all_gather_step_(flat, offsets, step, group)
 
 
 # ---------------------------------------------------------------------------

@@ -3,8 +3,8 @@
 # Each function imports what it uses inside its body: `check` sends a function's source alone to the ranks.
 
 # Exercise 1 (predict): a ring all-reduce sends 2(N-1) messages of S/N bytes per rank (section 1's table),
-# here with S = 4 MiB: 2 (N-1)/N S. (At N = 1 nothing is sent.)
-predicted_ring_bytes = 2 * (NPROC - 1) / NPROC * 4 * 2**20  # noqa: F821 (NPROC is the notebook's parameter)
+# here with S = 4 MiB on the session's N = NPEERS = max(2, NPROC) ranks: 2 (N-1)/N S.
+predicted_ring_bytes = 2 * (max(2, NPROC) - 1) / max(2, NPROC) * 4 * 2**20  # noqa: F821 (the notebook's NPROC)
 
 
 # Exercise 2 (implement): send chunk c of this rank's tensor to rank c, receive chunk `rank` from every
