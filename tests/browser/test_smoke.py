@@ -1,7 +1,7 @@
 """Real-browser smoke test: JupyterLab in headless Chromium runs two notebooks end to end.
 
 For each notebook: open it, run all cells, wait for the kernel to go idle, then check that no
-cell raised or printed a traceback, that every `%%torchrun` cell shows its ranks' output, that
+cell raised or printed a traceback, that every `%%torchrun` and `%%px` cell shows its ranks' output, that
 the explorer (course_lib.viz.explore) renders live sliders, and that moving a slider with the
 keyboard redraws its figure. Screenshots go to build/browser/: NAME-torchrun.png (the first
 %%torchrun cell's output), NAME-before.png and NAME-after.png (the explorer around the slider move).
@@ -93,9 +93,13 @@ def _text(output: dict) -> str:
 
 
 def _stored_rank_lines(path) -> list[list[str]]:
-    """For each code cell of the stored notebook: the `[rank R]` prefixes its stored output shows."""
+    """For each code cell of the stored notebook: the rank prefixes its stored output shows.
+
+    `[rank R]` in a %%torchrun cell, `[stdout:R]` in a %%px cell of the persistent session.
+    """
     cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
-    return [sorted(set(re.findall(r"^\[rank \d+\]", "".join(map(_text, c.get("outputs", []))), re.M))) for c in cells]
+    prefix = re.compile(r"^\[(?:rank |stdout:)\d+\]", re.M)
+    return [sorted(set(prefix.findall("".join(map(_text, c.get("outputs", [])))))) for c in cells]
 
 
 def _describe(cell: dict) -> str:
@@ -171,10 +175,12 @@ def _run_and_check(lab, page, name: str, shots, stored_rank_lines: list[list[str
     dom_tracebacks = page.locator(f'.jp-OutputArea-output[data-mime-type="{STDERR}"]', has_text="Traceback")
     assert dom_tracebacks.count() == 0, dom_tracebacks.all_inner_texts()
 
-    # 2. Every %%torchrun cell shows its ranks' output (the ranks the stored notebook shows).
+    # 2. Every %%torchrun and %%px cell shows its ranks' output (the ranks the stored notebook shows).
     torchrun_cells = [(i, c) for i, c in enumerate(cells) if c["source"].startswith("%%torchrun")]
+    px_cells = [(i, c) for i, c in enumerate(cells) if c["source"].startswith("%%px")]
     assert torchrun_cells, "expected %%torchrun cells"
-    for i, cell in torchrun_cells:
+    assert px_cells, "expected %%px cells (the persistent session)"
+    for i, cell in torchrun_cells + px_cells:
         expected = stored_rank_lines[i]
         if not expected:  # the stored output has no rank lines (e.g. a cell that prints nothing)
             continue
