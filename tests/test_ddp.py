@@ -145,3 +145,51 @@ def test_simulated_buckets_and_formulas():
     sampler = torch.utils.data.DistributedSampler(range(10), num_replicas=2, rank=1, shuffle=True, seed=1)
     sampler.set_epoch(3)
     assert list(sampler) == order[1::2]
+
+
+# ---- the persistent-rank walk-through: the buckets DDP all-reduces, step by step ------------------------------
+
+
+def run_here(program, nproc: int) -> list[dict]:
+    """rank_programs.run for a program of this file, which the ranks import as tests.test_ddp (pytest: test_ddp)."""
+    from course_lib.launch import launch
+    from tests.rank_programs import quiet
+
+    body = f"from tests.test_ddp import {program.__name__}\nresult = {program.__name__}(rank, world_size)\n"
+    return launch(body, nproc, backend="gloo", out=["result"], write=quiet).values["result"]
+
+
+def buckets_step_by_step(rank: int, world_size: int) -> dict:
+    """recording_hook: one bucket in the first step, then the rebuilt buckets; gradients as without the hook."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from course_lib.compare import max_difference
+
+    x, y = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank)), torch.zeros(8, 8)
+    recorded, per_step = {}, []
+    hooked = DDP(MLP(seed=rank), bucket_cap_mb=0.01)
+    hooked.register_comm_hook(None, ddp.recording_hook(hooked, recorded))
+    plain = DDP(MLP(seed=rank), bucket_cap_mb=0.01)
+    gaps = []
+    for _ in range(3):
+        recorded.clear()
+        for model in (hooked, plain):
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        per_step.append([recorded[i] for i in sorted(recorded)])
+        gaps.append(max_difference([p.grad for p in hooked.parameters()], [p.grad for p in plain.parameters()]))
+    return {"per_step": per_step, "gaps": gaps}
+
+
+def test_recording_hook_shows_one_bucket_then_the_rebuilt_ones():
+    model = MLP()
+    names = [name for name, _ in model.named_parameters()]
+    by_id = {id(p): name for name, p in model.named_parameters()}
+    params = list(model.parameters())
+    expected = [sorted(by_id[id(p)] for p in bucket) for bucket in ddp.assign_buckets(params, int(0.01 * ddp.MB))]
+    for rank, values in enumerate(run_here(buckets_step_by_step, 3)):
+        first, *later = values["per_step"]
+        assert first == [names], (rank, first)  # step 0: everything in one bucket, in declaration order
+        for buckets in later:
+            assert [sorted(b) for b in buckets] == expected, (rank, buckets)
+        assert max(values["gaps"]) < 1e-6, (rank, values["gaps"])  # the hook averages as DDP's all-reduce does

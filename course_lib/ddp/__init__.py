@@ -3,7 +3,7 @@
 - minimal_ddp: MinimalDDP, the algorithm (broadcast, buckets, asynchronous all-reduce, no_sync)
 - replicas: the gradient-sync check and the rank-0 snapshot
 - train: the training harness, single-process or data-parallel over the same batches
-- comm_hooks: torch DDP's compression hooks (fp16, bf16, PowerSGD) and a timing hook
+- comm_hooks: torch DDP's compression hooks (fp16, bf16, PowerSGD), a timing hook and a bucket-recording hook
 - figures: ring bytes, the bucket/overlap simulator, memory per rank
 - checkers: the exercises' checkers (the solutions are in notebooks/solutions/02_ddp.py)
 """
@@ -15,6 +15,7 @@ from course_lib.ddp.comm_hooks import (
     bf16_compress_hook_any_backend,
     gradient_error,
     payload_bytes,
+    recording_hook,
     timed_allreduce_hook,
     train_with_hook,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "overlap_fraction",
     "payload_bytes",
     "rank_loader",
+    "recording_hook",
     "ring_bytes",
     "save_snapshot",
     "shuffled_order",

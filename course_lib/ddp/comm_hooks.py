@@ -131,3 +131,19 @@ def timed_allreduce_hook(events: list[tuple[int, int, float, float]]) -> CommHoo
         return future.then(done)
 
     return hook
+
+
+def recording_hook(model: nn.Module, buckets: dict[int, list[str]]) -> CommHook:
+    """A torch DDP comm hook that averages each bucket as DDP does and records what it carries.
+
+    ``buckets[i]`` becomes the names of bucket i's parameters, in the order the bucket holds them:
+    a look at the reducer's bucket assignment, step by step (torch rebuilds it after the first).
+    """
+    names = {id(p): name for name, p in unwrap(model).named_parameters()}
+
+    def hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buckets[bucket.index()] = [names[id(p)] for p in bucket.parameters()]
+        buffer = bucket.buffer().div_(dist.get_world_size())
+        return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+    return hook
