@@ -12,7 +12,14 @@
 """
 
 from course_lib.activations.checkers import check_checkpoint_every, check_evaluate
-from course_lib.activations.figures import MODELS, draw_explorer, draw_ladder, draw_layer_bytes, draw_recompute
+from course_lib.activations.figures import (
+    MODELS,
+    draw_explorer,
+    draw_ladder,
+    draw_layer_bytes,
+    draw_recompute,
+    explorer_curves,
+)
 from course_lib.activations.formulas import (
     KORTHIKANTI_TERMS,
     course_block_bytes,
@@ -27,10 +34,13 @@ from course_lib.activations.ladder import RUNGS, Setup, estimate, ladder
 from course_lib.activations.measure import (
     attention_backend,
     cuda_memory,
+    cuda_memory_report,
     derived_held,
     layer_bytes,
+    loss_of,
     measure_step,
     stats_bytes,
+    step_flops,
     time_steps,
 )
 from course_lib.activations.oom import attempt, mapped_bytes, memory_limit, train_step, unmap_freed_memory
@@ -59,16 +69,19 @@ __all__ = [
     "course_block_bytes",
     "course_block_terms",
     "cuda_memory",
+    "cuda_memory_report",
     "derived_held",
     "draw_explorer",
     "draw_ladder",
     "draw_layer_bytes",
     "draw_recompute",
     "estimate",
+    "explorer_curves",
     "korthikanti_bytes",
     "korthikanti_terms",
     "ladder",
     "layer_bytes",
+    "loss_of",
     "mapped_bytes",
     "matmul_flops",
     "measure_step",
@@ -78,6 +91,7 @@ __all__ = [
     "selective_block_bytes",
     "stack_bytes",
     "stats_bytes",
+    "step_flops",
     "time_steps",
     "train_step",
     "unmap_freed_memory",

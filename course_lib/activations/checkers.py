@@ -80,7 +80,7 @@ def check_evaluate(fn: Callable[[nn.Module, list[torch.Tensor]], float]) -> None
     def count(tensor: torch.Tensor) -> torch.Tensor:
         nonlocal saved
         saved += tensor.untyped_storage().nbytes()
-        return tensor
+        return tensor.detach()  # not the tensor itself: an op's saved output would then keep its own graph alive
 
     with memory_limit(BUDGET_MIB * MiB), torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
         outcome = attempt(lambda: fn(model, batches))

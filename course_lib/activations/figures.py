@@ -65,14 +65,16 @@ def draw_recompute(results: dict[str, dict[str, float]], axes: Any = None) -> An
 
 
 def explorer_curves(seq: int, batch: int, layers: int, model: str, points: int = 48) -> dict[str, Any]:
-    """GB of activations of `layers` blocks of `model` (bf16, flash attention) for s up to 2·seq, per mode."""
+    """GB of activations of `layers` blocks of `model` (bf16, flash attention) for s up to 2·seq, per mode; and
+    of the paper's layer without recomputation ("paper")."""
     hidden, heads = MODELS[model]
     grid = [max(1, round(2 * seq * (i + 1) / points)) for i in range(points)]
-    curves: dict[str, list[float]] = {mode: [] for mode in ("none", "selective", "full")}
+    curves: dict[str, list[float]] = {mode: [] for mode in ("none", "selective", "full", "paper")}
     for s in grid:
+        curves["paper"].append(layers * korthikanti_bytes(s, batch, hidden, heads) / 1e9)
         per_layer = course_block_bytes(s, batch, hidden, heads, 4 * hidden, stats_bytes=4)
         selective = selective_block_bytes(s, batch, hidden, heads, 4 * hidden)
-        for mode in curves:
+        for mode in ("none", "selective", "full"):
             peak = stack_bytes(per_layer, layers, 2 * s * batch * hidden, mode, selective)["peak"]
             curves[mode].append(peak / 1e9)
     return {"s": grid, **curves}
@@ -89,7 +91,9 @@ def draw_explorer(seq: int = 4096, batch: int = 1, layers: int = 32, model: str 
         ax.plot(curves["s"], curves[mode], color=COLORS[mode], label=f"recompute: {mode}")
         chosen[mode] = curves[mode][len(curves["s"]) // 2 - 1]  # the grid's middle point is s = seq
         ax.plot([seq], [chosen[mode]], "o", color=COLORS[mode])
+    ax.plot(curves["s"], curves["paper"], "--", color=COLORS["none"], label="paper's layer, no recomputation")
     ax.axhline(80, color="black", ls=":", label="80 GB GPU")
+    ax.set_ylim(0, 1.15 * max(80.0, max(curves["none"])))
     ax.set(xlabel="sequence length s", ylabel="GB of activations (peak)")
     ax.set_title(
         f"{model}, {layers} layers, micro-batch {batch}, s={seq}: "

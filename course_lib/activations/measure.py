@@ -70,8 +70,8 @@ def loss_of(output: torch.Tensor) -> torch.Tensor:
 
 
 def measure_step(model: nn.Module, x: torch.Tensor) -> dict[str, Any]:
-    """One forward and backward of model(x): bytes held after the forward and at the peak (LiveBytes), the
-    matmul FLOPs of a forward and of a whole step, and the gradients (whole: a collective under FSDP)."""
+    """One forward and backward of model(x): the bytes held after the forward and at the peak (LiveBytes), and
+    the gradients (whole: a collective under FSDP). The model's gradients are cleared before and after."""
     model.zero_grad(set_to_none=True)
     with attention_backend("flash"), LiveBytes() as live:
         out = model(x)
@@ -79,11 +79,16 @@ def measure_step(model: nn.Module, x: torch.Tensor) -> dict[str, Any]:
         loss_of(out).backward()
     gradients = list(full_gradients(model).values())
     model.zero_grad(set_to_none=True)
+    return {"held": held, "peak": live.peak, "gradients": gradients}
+
+
+def step_flops(model: nn.Module, x: torch.Tensor) -> dict[str, int]:
+    """Matmul FLOPs of a forward of model(x), and of a whole step (forward, recomputation, backward)."""
     with attention_backend("flash"):
         forward = matmul_flops(lambda: model(x))
         step = matmul_flops(lambda: loss_of(model(x)).backward())
     model.zero_grad(set_to_none=True)
-    return {"held": held, "peak": live.peak, "forward flops": forward, "step flops": step, "gradients": gradients}
+    return {"forward flops": forward, "step flops": step}
 
 
 def time_steps(models: dict[str, nn.Module], x: torch.Tensor, reps: int = 5) -> dict[str, float]:
@@ -112,3 +117,21 @@ def cuda_memory(fn: Callable[[], Any], device: torch.device) -> dict[str, int]:
         "peak": torch.cuda.max_memory_allocated(device) - before,
         "end": torch.cuda.memory_allocated(device) - before,
     }
+
+
+def cuda_memory_report(step: Callable[[], Any], device: torch.device, snapshot_path: str) -> dict[str, Any]:
+    """On a GPU, the allocator's own record of step(): its peak (`cuda_memory`), `torch.cuda.memory_summary`, and
+    a snapshot of every allocation with its stack (`_record_memory_history`), written to snapshot_path for
+    https://pytorch.org/memory_viz. Expandable segments (PYTORCH_ALLOC_CONF=expandable_segments:True, set here
+    at run time) let a segment grow in place instead of leaving fragments that a later allocation cannot use."""
+    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    try:
+        usage = cuda_memory(step, device)
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._dump_snapshot(snapshot_path)
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    events = sum(len(trace) for trace in snapshot["device_traces"])
+    summary = torch.cuda.memory_summary(device, abbreviated=True)
+    return {**usage, "events": events, "segments": len(snapshot["segments"]), "summary": summary}

@@ -82,11 +82,13 @@ def attempt(step: Callable[[], Any]) -> dict[str, Any]:
 
 
 def train_step(model: nn.Module, x: torch.Tensor, micro_batches: int = 1) -> float:
-    """Gradients of the mean of model(x)² over the batch, accumulated over `micro_batches` slices of x.
+    """The model's gradients become those of the mean of model(x)² over the batch, accumulated over
+    `micro_batches` slices of x.
 
     Each slice's loss is divided by the number of slices, so the summed gradients are those of the whole batch;
     only one slice's activations are alive at a time. Returns the loss (a float: no graph is kept).
     """
+    model.zero_grad(set_to_none=True)
     total = 0.0
     for chunk in x.chunk(micro_batches):
         loss = model(chunk).float().square().mean() / micro_batches
@@ -95,7 +97,7 @@ def train_step(model: nn.Module, x: torch.Tensor, micro_batches: int = 1) -> flo
     return total
 
 
-def unmap_freed_memory(threshold: int = 128 * 1024) -> None:
+def unmap_freed_memory(threshold: int = 64 * 1024) -> None:
     """Make glibc's malloc map every allocation from `threshold` bytes up on its own, and unmap it when freed.
 
     By default glibc raises that threshold as large blocks are freed and then keeps freed memory in its heap, so the
