@@ -35,12 +35,12 @@ def train_load_balance(
 ) -> list[dict[str, float]]:
     """Train `moe` for `steps` Adam steps; per step: imbalance and dropped share over every rank's tokens, loss."""
     group, n, rank = moe.group, dist.get_world_size(moe.group), dist.get_rank(moe.group)
-    d = moe.router.gate.in_features
-    mix = torch.randn(d, d, generator=torch.Generator().manual_seed(seed + 1)) / d**0.5
+    d, device = moe.router.gate.in_features, moe.router.gate.weight.device
+    mix = (torch.randn(d, d, generator=torch.Generator().manual_seed(seed + 1)) / d**0.5).to(device)
     optimizer = torch.optim.Adam(moe.parameters(), lr=lr)
     history = []
     for step in range(steps):
-        x = token_batch(tokens, d, rank, step + 1, shift, seed)  # every rank its own tokens
+        x = token_batch(tokens, d, rank, step + 1, shift, seed).to(device)  # every rank its own tokens
         y, routing = moe(x)
         task = F.mse_loss(y, torch.tanh(x @ mix))
         optimizer.zero_grad()
@@ -53,7 +53,8 @@ def train_load_balance(
             if p.grad is not None:
                 p.grad /= n
         optimizer.step()
-        stats = torch.cat([routing.routed_per_expert().double(), torch.tensor([routing.dropped(), task.item()])])
+        extra = torch.tensor([routing.dropped(), task.item()], dtype=torch.float64, device=device)
+        stats = torch.cat([routing.routed_per_expert().double(), extra])
         dist.all_reduce(stats, group=group)
         routed = stats[:-2]
         history.append(
