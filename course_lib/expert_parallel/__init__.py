@@ -1,13 +1,12 @@
 """course_lib.expert_parallel (notebook 09, part 2): a mixture-of-experts layer with its experts over the ranks.
 
-router     top-k routing, capacity and dropped assignments, the load-balancing loss
-dispatch   counts first, then tokens: all_to_all_single with uneven splits, as an autograd function, and the
-           same with PyTorch's functional collective; the bytes each rank sends (TRAFFIC)
-moe        the experts (the course's FeedForward), the single-process MoE, ExpertParallelMoE
-cost       bytes per all-to-all, capacity bound, dropped assignments, imbalance, a balanced batch
-train      a short training run that records the load balance
-figures    kernel-only pictures and the explorer
-checkers   the exercise's checker (solution: notebooks/solutions/09_context_and_expert_parallel.py)
+The router (router.py) picks the top-k experts of each token, cuts each expert's queue at its capacity and computes
+the load-balancing loss. dispatch.py moves the tokens: an all-to-all of the counts, then all_to_all_single with
+uneven splits, as an autograd function (and the same with PyTorch's functional collective), counting the bytes in
+TRAFFIC. moe.py holds the experts (the course's FeedForward), the MoE on one process and ExpertParallelMoE; cost.py
+the formulas (bytes per all-to-all, the capacity bound, drops, imbalance, a perfectly balanced batch); train.py a
+short training run that records the load; figures.py the kernel-only pictures and the explorer; checkers.py the
+exercise's checker (solution: notebooks/solutions/09_context_and_expert_parallel.py).
 """
 
 from course_lib.expert_parallel.checkers import check_dispatch

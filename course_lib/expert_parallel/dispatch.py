@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 TRAFFIC: Counter = Counter()  # bytes sent to other ranks: "counts", "dispatch", "combine" (+ " backward")
 
+Group = dist.ProcessGroup | None  # None: the default group
 AllToAllFn = Callable[[torch.Tensor, Sequence[int], Sequence[int], Any, str], torch.Tensor]
 
 
@@ -68,22 +69,14 @@ def _all_to_all(
 
 
 def all_to_all(
-    x: torch.Tensor,
-    send_splits: Sequence[int],
-    recv_splits: Sequence[int],
-    group: dist.ProcessGroup | None = None,
-    kind: str = "dispatch",
+    x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], group: Group = None, kind: str = "dispatch"
 ) -> torch.Tensor:
     """Rows [Σ send_splits[:j], Σ send_splits[:j+1]) of x go to rank j; rows from rank j arrive in its place."""
     return AllToAll.apply(x, send_splits, recv_splits, group, kind)
 
 
 def torch_all_to_all(
-    x: torch.Tensor,
-    send_splits: Sequence[int],
-    recv_splits: Sequence[int],
-    group: dist.ProcessGroup | None = None,
-    kind: str = "dispatch",
+    x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], group: Group = None, kind: str = "dispatch"
 ) -> torch.Tensor:
     """The same with PyTorch's differentiable functional collective (what torchtitan's expert parallelism uses)."""
     from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
