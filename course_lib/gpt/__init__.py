@@ -1,0 +1,120 @@
+"""Notebook 13, the capstone: a small GPT trained on the course's own prose in every layout of the course.
+
+snapshot     the data set: the course's markdown at one commit, written once to course_text.txt
+text         character tokens, the fixed train/validation split, a loader that gives each dp rank its rows
+model        the GPT: embeddings, the course's TransformerBlocks, a head tied to the token table; FLOPs
+layouts      one process, DDP, FSDP2, FSDP2 x TP, PP x FSDP2 x TP: one function per mesh dimension
+train        the training run every layout shares (the counted step, the timed steps, checkpoints)
+checkpoints  DCP save/load with notebook 06's AppState, and a fingerprint of the whole state
+measure      FLOPs counted, the matmul limit, a GPU's peak, bytes sent (compose.CountBytes)
+predict      memory per rank and bytes per step from the course's calculators (memory, compose.plan)
+runs         a %%torchrun cell's run: train and measure; evaluation and samples
+figures      the kernel's table and figures
+checkers     the exercises' checkers (solutions: notebooks/solutions/13_capstone_gpt.py)
+"""
+
+from course_lib.gpt.checkers import check_embedding_group, check_rows_on_mesh
+from course_lib.gpt.checkpoints import fingerprint, load, save
+from course_lib.gpt.figures import draw_drift, draw_plan, draw_runs, speed_table
+from course_lib.gpt.layouts import (
+    LR,
+    Layout,
+    apply_ddp,
+    apply_fsdp,
+    build_mesh,
+    layouts,
+    make_optimizer,
+    parallelize,
+    sync_tied_gradients,
+    tied_table,
+)
+from course_lib.gpt.measure import CountSent, counted_flops, device_peak_flops, matmul_flops
+from course_lib.gpt.model import (
+    GPT,
+    Embeddings,
+    GPTConfig,
+    Head,
+    count_parameters,
+    flops_per_token,
+    loss_fn,
+    make_blocks,
+    pipeline_stage,
+    sample,
+)
+from course_lib.gpt.predict import (
+    parameter_shapes,
+    parameters_before_dp,
+    predicted_memory,
+    predicted_shard_bytes,
+    predicted_traffic,
+    root_parameters,
+)
+from course_lib.gpt.runs import drift_tolerance, evaluate, run_layout, sample_text
+from course_lib.gpt.text import (
+    CharTokenizer,
+    ShardedBatches,
+    course_text,
+    entropy_baselines,
+    split,
+    tokens_and_tokenizer,
+    validation_windows,
+)
+from course_lib.gpt.train import default_config, loss_share, pipeline_step, plain_step, train_layout
+
+__all__ = [
+    "GPT",
+    "LR",
+    "CharTokenizer",
+    "CountSent",
+    "Embeddings",
+    "GPTConfig",
+    "Head",
+    "Layout",
+    "ShardedBatches",
+    "apply_ddp",
+    "apply_fsdp",
+    "build_mesh",
+    "check_embedding_group",
+    "check_rows_on_mesh",
+    "count_parameters",
+    "counted_flops",
+    "course_text",
+    "default_config",
+    "device_peak_flops",
+    "draw_drift",
+    "draw_plan",
+    "draw_runs",
+    "drift_tolerance",
+    "entropy_baselines",
+    "evaluate",
+    "fingerprint",
+    "flops_per_token",
+    "layouts",
+    "load",
+    "loss_fn",
+    "loss_share",
+    "make_blocks",
+    "make_optimizer",
+    "matmul_flops",
+    "parallelize",
+    "parameter_shapes",
+    "parameters_before_dp",
+    "pipeline_stage",
+    "pipeline_step",
+    "plain_step",
+    "predicted_memory",
+    "predicted_shard_bytes",
+    "predicted_traffic",
+    "root_parameters",
+    "run_layout",
+    "sample",
+    "sample_text",
+    "save",
+    "speed_table",
+    "split",
+    "sync_tied_gradients",
+    "tied_table",
+    "tokens_and_tokenizer",
+    "train_layout",
+    "validation_windows",
+]

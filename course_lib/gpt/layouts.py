@@ -1,0 +1,135 @@
+"""The capstone's layouts: one GPT, parallelized by applying one function per mesh dimension.
+
+    one process      the model as it is
+    DDP              DistributedDataParallel over "dp" (notebook 02)
+    FSDP2            fully_shard each block, then the root (embeddings and head) over "dp" (notebook 03)
+    FSDP2 x TP       compose.apply_tp over "tp" inside every block, then FSDP2 over "dp" (notebook 11)
+    PP x FSDP2 x TP  this stage's blocks (compose.stage_blocks, notebook 08), then TP, then FSDP2
+
+The embeddings and the head are not tensor-parallel (they are small here): the tp ranks of a group hold them
+whole and compute the same values. With pipeline stages the token table is used twice, by the first stage
+(embedding) and by the last (head): each holds a copy, and :func:`sync_tied_gradients` adds the two gradients
+so both copies take the same step (Megatron's "embedding group").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from course_lib.compare import local_tensor
+from course_lib.gpt.model import GPT, GPTConfig, pipeline_stage
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A layout: its name and mesh sizes; n_mb micro-batches per dp rank (pipeline schedules)."""
+
+    name: str
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    n_mb: int = 1
+    ddp: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def describe(self) -> str:
+        sizes = [f"{k}={v}" for k, v in (("pp", self.pp), ("dp", self.dp), ("tp", self.tp)) if v > 1 or k == "dp"]
+        return f"{self.name} ({' x '.join(sizes)}, {self.world} rank{'s' * (self.world > 1)})"
+
+
+def layouts(nproc: int) -> list[Layout]:
+    """The capstone's five layouts: DDP and FSDP2 on NPROC ranks, 2D on 2 x 2, 3D on 2 x 2 x 2 (2 micro-batches)."""
+    return [
+        Layout("one process"),
+        Layout("DDP", dp=nproc, ddp=True),
+        Layout("FSDP2", dp=nproc),
+        Layout("FSDP2 x TP", dp=2, tp=2),
+        Layout("PP x FSDP2 x TP", dp=2, tp=2, pp=2, n_mb=2),
+    ]
+
+
+def build_mesh(layout: Layout, device_type: str = "cpu") -> DeviceMesh | None:
+    """The ("pp", "dp", "tp") mesh of the layout's ranks (compose.build_mesh); None for one process."""
+    from course_lib.compose import build_mesh as compose_mesh
+
+    if layout.world == 1:
+        return None
+    return compose_mesh(pp=layout.pp, dp=layout.dp, tp=layout.tp, device_type=device_type)
+
+
+def apply_ddp(model: nn.Module) -> nn.Module:
+    """DDP over the default group: gradients all-reduced (averaged) in buckets during backward."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model)
+
+
+def apply_fsdp(model: GPT, dp_mesh: DeviceMesh) -> GPT:
+    """FSDP2: each block a unit of its own, the root unit the embeddings, final norm and head (with the tied
+    table: both its uses run inside the root's forward, so one gathered copy serves both)."""
+    from course_lib.models import shard_layers_then_root
+
+    shard_layers_then_root(model, model.blocks, mesh=dp_mesh)
+    return model
+
+
+def parallelize(layout: Layout, config: GPTConfig, mesh: DeviceMesh | None, device: torch.device) -> nn.Module:
+    """This rank's model for `layout`: built (or cut into its stage), then TP, then FSDP2 or DDP."""
+    from course_lib.compose import apply_tp
+
+    if layout.pp > 1:
+        assert mesh is not None
+        model = pipeline_stage(config, mesh["pp"].get_local_rank(), layout.pp).to(device)
+    else:
+        model = GPT(config).to(device)
+    if mesh is None:
+        return model
+    if layout.tp > 1:
+        apply_tp(model.blocks, mesh["tp"])
+    if layout.ddp:
+        return apply_ddp(model)
+    return apply_fsdp(model, mesh["dp"])
+
+
+LR = 2e-3  # Adam's learning rate in every run
+
+
+def make_optimizer(model: nn.Module, lr: float = LR) -> torch.optim.Optimizer:
+    """Adam, one parameter group per DeviceMesh (FSDP2 x TP holds DTensors on two meshes: the blocks on
+    (dp, tp), the root on dp; a group never mixes them in one foreach kernel)."""
+    by_mesh: dict[object, list[nn.Parameter]] = {}
+    for p in model.parameters():
+        by_mesh.setdefault(getattr(p, "device_mesh", None), []).append(p)
+    groups = [{"params": params} for params in by_mesh.values()]
+    return torch.optim.Adam(groups, lr=lr, betas=(0.9, 0.95))
+
+
+def tied_table(model: nn.Module) -> nn.Parameter | None:
+    """This stage's copy of the token table: the embedding's on the first stage, the head's on the last."""
+    inner: Any = getattr(model, "module", model)  # DDP keeps the model as .module
+    if inner.embed is not None:
+        return inner.embed.tokens.weight
+    if inner.head is not None:
+        return inner.head.output.weight
+    return None
+
+
+def sync_tied_gradients(model: nn.Module, stage_group: dist.ProcessGroup) -> None:
+    """Pipeline stages: add the first stage's and the last stage's gradients of the token table.
+
+    Both hold the same dp shard of it (same dp coordinate): one all-reduce over the two stages (pp = 2 here:
+    with more stages, the first and last would need a group of their own).
+    """
+    table = tied_table(model)
+    if table is None or table.grad is None:
+        raise ValueError("this stage holds no copy of the token table, or backward did not reach it")
+    dist.all_reduce(local_tensor(table.grad), group=stage_group)

@@ -1,0 +1,98 @@
+"""What the capstone measures on a rank: FLOPs (counted and by formula), the matmul limit, bytes sent.
+
+- :func:`counted_flops`: torch's FlopCounterMode over a forward and backward, with the CPU's flash-attention
+  kernels given the formula torch already uses for the GPU's;
+- :func:`matmul_flops`: the FLOP/s square matmuls get on this rank, now (the machine's limit here);
+- :func:`device_peak_flops`: a GPU's data-sheet fp32 peak, for MFU;
+- :class:`CountSent`: compose.CountBytes, also counting all-reduces called on the default or a `new_group`
+  group (DDP's buckets, the tied table's gradients): those reach the dispatcher as a boxed process group.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from course_lib.compose import CountBytes
+
+# fp32 (not TF32) dense peak from the data sheets, FLOP/s: what an fp32 run can reach
+FP32_PEAK = {"H100": 67e12, "H200": 67e12, "A100": 19.5e12, "L40S": 91.6e12, "A10": 31.2e12, "V100": 15.7e12}
+
+
+def counted_flops(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, int]:
+    """FLOPs of one forward and backward of `model` on (x, y), by kind: "matmul" and "attention", as counted."""
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+    from course_lib.gpt.model import loss_fn
+
+    aten = torch.ops.aten
+
+    def forward(q: Any, k: Any, v: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+        return sdpa_flop_count(q, k, v)
+
+    def backward(grad: Any, q: Any, k: Any, v: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+        return sdpa_backward_flop_count(grad, q, k, v)
+
+    cpu_attention = {
+        aten._scaled_dot_product_flash_attention_for_cpu: forward,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: backward,
+    }
+    with FlopCounterMode(display=False, custom_mapping=cpu_attention) as counter:
+        loss_fn(model(x), y).backward()
+    by_op = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    attention = {k: v for k, v in by_op.items() if "attention" in k}
+    return {
+        "matmul": sum(v for k, v in by_op.items() if k not in attention),
+        "attention forward": sum(v for k, v in attention.items() if not k.endswith("backward")),
+        "attention backward": sum(v for k, v in attention.items() if k.endswith("backward")),
+    }
+
+
+def matmul_flops(device: torch.device | str = "cpu", n: int | None = None, seconds: float = 0.3) -> float:
+    """FLOP/s of (n x n) @ (n x n) fp32 matmuls on this rank (at least 4 of them), for about `seconds`.
+
+    n: 512 on a CPU, 4096 on a GPU (a small matmul there measures the kernel launch, not the arithmetic).
+    """
+    device = torch.device(device)
+    n = n or (4096 if device.type == "cuda" else 512)
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    a @ b  # warm-up
+    sync()
+    done, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(4):
+            a @ b
+        done += 4
+        sync()
+    return 2 * n**3 * done / (time.perf_counter() - start)
+
+
+def device_peak_flops(device: torch.device | str) -> float | None:
+    """The data-sheet fp32 peak of one GPU (None on a CPU or an unlisted GPU)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in FP32_PEAK.items() if key in name), None)
+
+
+class CountSent(CountBytes):
+    """compose.CountBytes, with all-reduces on a boxed process group counted too ("dp": data-parallel
+    gradients, or the tied table's gradients summed over the stages)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func.namespace == "c10d" and func._opname == "allreduce_" and isinstance(args[1], torch.ScriptObject):
+            n = dist.ProcessGroup.unbox(args[1]).size()
+            self.ops["c10d.allreduce_"] += 1
+            self.bytes["dp"] += 2 * (n - 1) / n * sum(t.numel() * t.element_size() for t in args[0])
+            self.calls["dp"] += 1
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)

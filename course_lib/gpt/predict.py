@@ -1,0 +1,110 @@
+"""What the course's calculators predict for each layout of the capstone: memory per rank and bytes per step.
+
+Memory: memory.zero_bytes_per_gpu (notebook 03) for the parameters this rank's part of the model holds
+before data-parallel sharding (its stage, its tp shard of every block), fp32 Adam: 4 + 4 + 8 bytes per
+parameter; ZeRO stage 0 for one process and DDP, 3 for FSDP2.
+Bytes: compose.plan (notebook 11) for the blocks, plus FSDP2's root unit (embeddings, final norm, head),
+which FSDP2 does not reshard after forward (gathered once per step), plus, with pipeline stages, the
+all-reduce of the tied table's gradients between the first and the last stage.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from course_lib.gpt.layouts import Layout
+from course_lib.gpt.model import GPTConfig, count_parameters
+
+BYTES = 4  # fp32 parameters, gradients and activations
+ADAM_FP32 = (4, 4, 8)  # bytes per parameter: weight, gradient, Adam's two moments
+
+
+def parameter_shapes(layout: Layout, config: GPTConfig, stage: int = 0) -> list[tuple[int, ...]]:
+    """The shape of every parameter a rank of `stage` holds before data-parallel sharding: its blocks with
+    q, k, v and up split by output rows over tp (weights and biases), o and down by input columns (weights only:
+    their biases and the two norms stay whole), and its share of the token table, positions and final norm."""
+    d, f, tp = config.d_model, config.d_ff, layout.tp
+    column = [(d // tp, d), (d // tp,)] * 3 + [(f // tp, d), (f // tp,)]  # q, k, v, up
+    row = [(d, d // tp), (d,), (d, f // tp), (d,)]  # o, down
+    norms = [(d,)] * 4
+    shapes = (column + row + norms) * (config.n_layers // layout.pp)
+    first, last = stage == 0, stage == layout.pp - 1
+    if first:
+        shapes += [(config.vocab, d), (config.seq, d)]  # token table, positions
+    if last:
+        shapes += ([] if first else [(config.vocab, d)]) + [(d,), (d,)]  # the table's copy, final norm
+    return shapes
+
+
+def root_parameters(config: GPTConfig, stage: int = 0, stages: int = 1) -> int:
+    """Parameters outside the blocks held by `stage`: the token table (on the first stage, and a copy on the
+    last one), the positions (first), the final norm (last)."""
+    first, last = stage == 0, stage == stages - 1
+    table = config.vocab * config.d_model if first or last else 0
+    return table + (config.seq * config.d_model if first else 0) + (2 * config.d_model if last else 0)
+
+
+def parameters_before_dp(layout: Layout, config: GPTConfig, stage: int = 0) -> int:
+    """Parameters of this rank's part of the model before data-parallel sharding (its stage, its tp shard)."""
+    return sum(math.prod(shape) for shape in parameter_shapes(layout, config, stage))
+
+
+def predicted_memory(layout: Layout, config: GPTConfig, stage: int = 0) -> dict[str, float]:
+    """memory.zero_bytes_per_gpu for a rank of `stage`: parameters, gradients, Adam state and total, bytes."""
+    from course_lib.memory import zero_bytes_per_gpu
+
+    zero_stage = 0 if layout.ddp or layout.world == 1 else 3
+    n = parameters_before_dp(layout, config, stage)
+    return zero_bytes_per_gpu(n, layout.dp, zero_stage, *ADAM_FP32)
+
+
+def predicted_shard_bytes(layout: Layout, config: GPTConfig, stage: int, dp_rank: int) -> int:
+    """Bytes one rank holds exactly: fully_shard gives dp rank r rows of each parameter as torch.chunk does
+    (memory.fully_shard_numel), so the ranks' shares differ where the rows do not divide by dp."""
+    from course_lib.memory import fully_shard_numel
+
+    shapes = parameter_shapes(layout, config, stage)
+    if layout.ddp or layout.world == 1:
+        return sum(ADAM_FP32) * sum(math.prod(shape) for shape in shapes)
+    return sum(ADAM_FP32) * sum(fully_shard_numel(shape, layout.dp, dp_rank) for shape in shapes)
+
+
+def predicted_traffic(layout: Layout, config: GPTConfig, global_batch: int) -> dict[str, float]:
+    """Bytes one rank sends per step, by dimension ("tp", "dp", "pp"), the mean over the layout's ranks."""
+    from course_lib.compose import Cluster, ModelShape, fsdp_collectives, plan
+
+    if layout.world == 1:
+        return {"tp": 0.0, "dp": 0.0, "pp": 0.0}
+    counts = count_parameters(config)
+    micro_batch = global_batch / (layout.dp * layout.n_mb)
+    piped: dict[str, Any] = {"reshard_after_backward": False, "defer_grad_sync": True} if layout.pp > 1 else {}
+    shape = ModelShape(
+        counts["total"] if layout.ddp else counts["blocks"],
+        config.n_layers,
+        config.d_model,
+        config.n_heads,
+        config.seq,
+        micro_batch,
+        tp_all_reduces=6,  # 2 in forward (o, down), 4 in backward (q, k, v and up's input gradients, one by one)
+    )
+    r = plan(
+        shape,
+        layout.dp,
+        layout.tp,
+        layout.pp,
+        Cluster(gpus_per_node=layout.tp),
+        global_batch=global_batch,
+        zero_stage=0 if layout.ddp else 3,
+        bytes_per_value=BYTES,
+        **piped,
+    )
+    traffic = {dim: r[f"{dim}_comm_GB"] * 1e9 for dim in ("tp", "dp", "pp")}
+    if not layout.ddp:
+        calls = fsdp_collectives(layout.n_mb, reshard_after_forward=False, **piped)  # the root unit
+        ring = (layout.dp - 1) / layout.dp * BYTES
+        per_stage = [root_parameters(config, s, layout.pp) for s in range(layout.pp)]
+        traffic["dp"] += (calls["all_gather"] + calls["reduce_scatter"]) * ring * sum(per_stage) / layout.pp
+    if layout.pp > 1:  # first and last stage all-reduce their dp shard of the tied table's gradient
+        traffic["dp"] += 2 * (2 - 1) / 2 * config.vocab * config.d_model / layout.dp * BYTES
+    return traffic

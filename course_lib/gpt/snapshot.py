@@ -1,0 +1,49 @@
+"""Write the capstone's text: the markdown of the course's notebooks at one commit, as one UTF-8 file.
+
+    .venv/bin/python -m course_lib.gpt.snapshot            # rewrites course_lib/gpt/course_text.txt from SNAPSHOT_REV
+
+The snapshot is taken once and committed (course_text.txt), so the data set is versioned with the code, is there
+offline, and does not change when a lesson's prose does. Rerunning this script at SNAPSHOT_REV gives the same bytes
+(tests/test_gpt.py checks it where the history is at hand).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+from pathlib import Path
+
+SNAPSHOT_REV = "0aba430"  # the commit whose notebooks/*.ipynb prose the snapshot holds
+SNAPSHOT = Path(__file__).with_name("course_text.txt")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=REPO, check=True, capture_output=True, text=True).stdout
+
+
+def notebook_markdown(source: str) -> str:
+    """The markdown cells of one notebook (its JSON text), joined by blank lines."""
+    cells = json.loads(source)["cells"]
+    return "\n\n".join("".join(c["source"]).strip() for c in cells if c["cell_type"] == "markdown")
+
+
+def course_prose(rev: str = SNAPSHOT_REV) -> str:
+    """The markdown of every notebooks/NN_*.ipynb at `rev`, in course order."""
+    paths = sorted(p for p in git("ls-tree", "--name-only", rev, "notebooks/").split() if p.endswith(".ipynb"))
+    return "\n\n".join(notebook_markdown(git("show", f"{rev}:{p}")) for p in paths) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rev", default=SNAPSHOT_REV, help=f"the commit to read (default {SNAPSHOT_REV})")
+    parser.add_argument("--out", type=Path, default=SNAPSHOT)
+    args = parser.parse_args(argv)
+    text = course_prose(args.rev)
+    args.out.write_text(text, encoding="utf-8")
+    print(f"{args.out}: {len(text)} characters, {len(text.encode())} bytes, {len(set(text))} distinct characters")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""One training run of the capstone, the same in every layout: what a rank runs inside a %%torchrun cell.
+
+:func:`train` builds the layout's model on this rank, then runs `steps` optimizer steps on the same global
+batches (text.ShardedBatches) whatever the layout. Step 1 (the second) is counted with compose.CountBytes:
+the bytes this rank sends, by mesh dimension; the other steps after the first are timed. It returns the
+global loss of every step (the same list on every rank), this rank's measurements, and optionally saves a
+DCP checkpoint after `save_at` steps or starts from one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from course_lib.gpt.layouts import LR, Layout, build_mesh, make_optimizer, parallelize, sync_tied_gradients
+from course_lib.gpt.model import GPTConfig, loss_fn
+from course_lib.gpt.text import ShardedBatches, split, tokens_and_tokenizer
+
+COUNTED_STEP = 1  # the step whose collectives are counted (the first also learns the pipeline's shapes)
+
+
+def default_config(**changes: Any) -> GPTConfig:
+    """The capstone's model: 2 blocks 128 wide (8 heads), 64 characters of context, the snapshot's vocabulary."""
+    return GPTConfig(vocab=tokens_and_tokenizer()[1].vocab, **changes)
+
+
+def loss_share(logits: torch.Tensor, targets: torch.Tensor, global_batch: int, dp: int) -> torch.Tensor:
+    """This dp rank's share of the global-batch loss, scaled for the gradient average over `dp` ranks: with
+    uneven shares (16 sequences over 3 ranks: 6, 5, 5) the average over dp is then exactly the global mean."""
+    return loss_fn(logits, targets) * (dp * len(logits) / global_batch)
+
+
+def plain_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: ShardedBatches, device: torch.device,
+               layout: Layout) -> Callable[[int], torch.Tensor]:  # fmt: skip
+    """One process, DDP, FSDP2, FSDP2 x TP: forward, backward (in layout.n_mb micro-batches whose gradients
+    add up), step, on this rank's rows. Returns this rank's part of the global loss: its share over dp x tp
+    (the tp ranks of a dp group hold the same share)."""
+
+    def step(s: int) -> torch.Tensor:
+        x, y = batches(s)
+        optimizer.zero_grad(set_to_none=True)
+        share = torch.zeros(())
+        for x_m, y_m in zip(x.tensor_split(layout.n_mb), y.tensor_split(layout.n_mb)):
+            part = loss_share(model(x_m.to(device)), y_m.to(device), batches.global_batch, layout.dp)
+            part.backward()
+            share += part.detach().cpu()
+        optimizer.step()
+        return share / (layout.dp * layout.tp)
+
+    return step
+
+
+def pipeline_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: ShardedBatches,
+                  device: torch.device, layout: Layout, mesh: Any) -> Callable[[int], torch.Tensor]:  # fmt: skip
+    """PP x FSDP2 x TP: torch.distributed.pipelining's GPipe over "pp", then the tied table's gradients added
+    over the stages, then the step. The last stage's ranks hold the micro-batch losses."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    p = mesh["pp"].get_local_rank()
+    stage = PipelineStage(model, p, layout.pp, device, group=mesh["pp"].get_group())
+    schedule = ScheduleGPipe(stage, n_microbatches=layout.n_mb, loss_fn=loss_fn)
+    if batches.global_batch % (layout.dp * layout.n_mb):
+        raise ValueError(f"a global batch of {batches.global_batch} must split into dp x micro-batches equal parts")
+
+    def step(s: int) -> torch.Tensor:
+        x, y = batches(s)
+        optimizer.zero_grad(set_to_none=True)
+        losses: list[torch.Tensor] = []
+        if p == 0:
+            schedule.step(x.to(device))
+        else:
+            schedule.step(target=y.to(device), losses=losses)
+        sync_tied_gradients(model, mesh["pp"].get_group())
+        optimizer.step()
+        if p < layout.pp - 1:
+            return torch.zeros(())
+        return torch.stack([loss.detach().cpu() for loss in losses]).mean() / (layout.dp * layout.tp)
+
+    return step
+
+
+def train_layout(layout: Layout, steps: int, global_batch: int = 16, lr: float = LR,
+          config: GPTConfig | None = None, device: torch.device | str = "cpu", *,
+          save_at: int | None = None, checkpoint: str | None = None, resume: bool = False,
+          after_step: Callable[[int], None] | None = None) -> dict[str, Any]:  # fmt: skip
+    """`steps` steps of `layout` on this rank (from step 0, or from the checkpoint when resume=True).
+
+    `after_step(step)` runs after every step, outside the timed span (run_layout measures the matmul limit there).
+    Returns {"losses": the global loss of each step run, "first_step", "step_seconds": {step: seconds} of the timed
+    steps (all but the job's first and the counted one),
+    "sent": bytes this rank sent in the counted step by dimension, "held": memory.held_bytes after the run,
+    "fingerprint": of the model and optimizer after `save_at` steps or after loading}.
+    """
+    from course_lib.gpt.checkpoints import fingerprint, load, save
+    from course_lib.gpt.measure import CountSent
+    from course_lib.memory import held_bytes
+
+    config = config or default_config()
+    device = torch.device(device)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world != layout.world:
+        raise ValueError(f"{layout.describe()} needs {layout.world} ranks, this run has {world}")
+    mesh = build_mesh(layout, device.type)
+    model = parallelize(layout, config, mesh, device)
+    optimizer = make_optimizer(model, lr)
+    dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
+    batches = ShardedBatches(split()[0], config.seq, global_batch, dp_rank, layout.dp, seed=config.seed)
+    if layout.pp > 1:
+        step = pipeline_step(model, optimizer, batches, device, layout, mesh)
+    else:
+        step = plain_step(model, optimizer, batches, device, layout)
+    result: dict[str, Any] = {"first_step": 0, "step_seconds": {}, "sent": {}}
+    if resume:
+        assert checkpoint is not None
+        result["first_step"] = load(checkpoint, model, optimizer)
+        result["fingerprint"] = fingerprint(model, optimizer)
+    parts = []
+    for s in range(result["first_step"], steps):
+        if s == COUNTED_STEP:
+            with CountSent() as counter:
+                parts.append(step(s))
+            result["sent"] = counter.totals()
+        else:
+            start = time.perf_counter()
+            parts.append(step(s))
+            if s > result["first_step"]:
+                result["step_seconds"][s] = time.perf_counter() - start
+        if after_step is not None:
+            after_step(s)
+        if save_at is not None and s + 1 == save_at:
+            assert checkpoint is not None
+            save(checkpoint, model, optimizer, step=save_at)
+            result["fingerprint"] = fingerprint(model, optimizer)
+    losses = torch.stack(parts) if parts else torch.zeros(0)
+    if world > 1:
+        dist.all_reduce(losses)  # every rank's part: the global loss of each step, on every rank
+    result["losses"] = losses.tolist()
+    result["held"] = held_bytes(model, optimizer)
+    result["model"], result["optimizer"] = model, optimizer
+    return result

@@ -1,0 +1,263 @@
+"""Notebook 13's library: the text snapshot, the loader, the GPT and its stages, the calculators, every layout
+against one process on real gloo ranks, the resharded resume, and the exercises' checkers."""
+
+from __future__ import annotations
+
+import re
+import runpy
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from course_lib import gpt
+from course_lib.exercises import check, check_prediction
+from course_lib.gpt import snapshot
+from course_lib.launch import launch
+
+SOLUTIONS = runpy.run_path(str(Path(__file__).parents[1] / "notebooks/solutions/13_capstone_gpt.py"))
+CONFIG = gpt.default_config()
+
+
+def quiet(text, stream):
+    """A launcher `write` that drops rank output."""
+
+
+def has_revision(rev: str) -> bool:
+    done = subprocess.run(["git", "cat-file", "-e", f"{rev}^{{commit}}"], cwd=snapshot.REPO, capture_output=True)
+    return done.returncode == 0
+
+
+# ---- the data ------------------------------------------------------------------------------------------------
+
+
+def test_snapshot_is_small_committed_and_reproducible():
+    text = gpt.course_text()
+    assert 100e3 < len(text.encode()) < 300e3
+    assert "# 00 · torchrun and process groups" in text and "```" in text
+    if not has_revision(snapshot.SNAPSHOT_REV):
+        pytest.skip(f"the history does not hold {snapshot.SNAPSHOT_REV} (a shallow clone)")
+    assert snapshot.course_prose() == text  # the script reproduces the committed file byte for byte
+
+
+def test_tokenizer_split_and_baselines():
+    tokens, tokenizer = gpt.tokens_and_tokenizer()
+    assert tokenizer.vocab == CONFIG.vocab == len(set(gpt.course_text()))
+    assert tokenizer.decode(tokens[:300]) == gpt.course_text()[:300]
+    train, val = gpt.split()
+    assert torch.equal(torch.cat([train, val]), tokens) and len(val) == pytest.approx(0.1 * len(tokens), abs=1)
+    b = gpt.entropy_baselines(train)
+    assert b["uniform"] > b["unigram"] > b["bigram"] > 0
+
+
+@pytest.mark.parametrize("dp", [1, 2, 3, 5])
+def test_shards_partition_the_global_batch_whatever_the_ranks(dp):
+    train, _ = gpt.split()
+    whole_x, whole_y = gpt.ShardedBatches(train, 64, 16)(9)
+    parts = [gpt.ShardedBatches(train, 64, 16, r, dp)(9) for r in range(dp)]
+    assert torch.equal(torch.cat([x for x, _ in parts]), whole_x) and torch.equal(
+        torch.cat([y for _, y in parts]), whole_y
+    )
+    assert max(len(x) for x, _ in parts) - min(len(x) for x, _ in parts) <= 1
+    assert torch.equal(whole_x[:, 1:], whole_y[:, :-1])  # targets: the inputs shifted by one character
+    assert not torch.equal(whole_x, gpt.ShardedBatches(train, 64, 16)(10)[0])  # another step, other windows
+    with pytest.raises(ValueError, match="leaves some of 20 dp ranks empty"):
+        gpt.ShardedBatches(train, 64, 16, 0, 20)
+
+
+# ---- the model and the calculators --------------------------------------------------------------------------
+
+
+def test_the_model_its_stages_and_its_flops():
+    model = gpt.GPT(CONFIG)
+    assert sum(p.numel() for p in model.parameters()) == gpt.count_parameters(CONFIG)["total"]
+    assert model.head.output.weight is model.embed.tokens.weight
+    x = torch.randint(0, CONFIG.vocab, (3, CONFIG.seq))
+    first, last = gpt.pipeline_stage(CONFIG, 0, 2), gpt.pipeline_stage(CONFIG, 1, 2)
+    assert torch.equal(last(first(x)), model(x))  # each piece seeded on its own: the stages are the model
+    assert torch.equal(last.head.output.weight, first.embed.tokens.weight)  # the last stage's copy of the table
+    counted = gpt.counted_flops(model, x, x)
+    tokens = x.numel()
+    assert counted["matmul"] == 6 * gpt.count_parameters(CONFIG)["matmul"] * tokens
+    assert counted["matmul"] + 3 * counted["attention forward"] == gpt.flops_per_token(CONFIG) * tokens
+
+
+def test_parameter_shapes_add_up_for_every_split():
+    total = gpt.count_parameters(CONFIG)["total"]
+    assert gpt.parameters_before_dp(gpt.Layout("one process"), CONFIG) == total
+    pp = gpt.Layout("3D", dp=2, tp=2, pp=2, n_mb=2)
+    stages = [gpt.parameters_before_dp(pp, CONFIG, s) for s in range(2)]
+    tp_only = gpt.parameters_before_dp(gpt.Layout("TP", tp=2), CONFIG)
+    assert sum(stages) == tp_only + CONFIG.vocab * CONFIG.d_model  # the stages hold two copies of the table
+    for dp in (2, 3, 5, 8):
+        layout = gpt.Layout("FSDP2", dp=dp)
+        shards = [gpt.predicted_shard_bytes(layout, CONFIG, 0, r) for r in range(dp)]
+        assert sum(shards) == 16 * total
+        assert sum(shards) / dp == pytest.approx(gpt.predicted_memory(layout, CONFIG)["total"])
+
+
+def test_traffic_predictions_by_hand():
+    d, v, blocks = CONFIG.d_model, CONFIG.vocab, gpt.count_parameters(CONFIG)["blocks"]
+    ddp = gpt.predicted_traffic(gpt.Layout("DDP", dp=2, ddp=True), CONFIG, 16)
+    assert ddp == {"tp": 0.0, "dp": 2 * 0.5 * 4 * gpt.count_parameters(CONFIG)["total"], "pp": 0.0}
+    fsdp = gpt.predicted_traffic(gpt.Layout("FSDP2", dp=2), CONFIG, 16)
+    root = v * d + CONFIG.seq * d + 2 * d
+    assert fsdp["dp"] == pytest.approx(0.5 * 4 * (3 * blocks + 2 * root))  # blocks: 2 gathers + 1 reduction
+    two_d = gpt.predicted_traffic(gpt.Layout("2D", dp=2, tp=2), CONFIG, 16)
+    assert two_d["tp"] == CONFIG.n_layers * 6 * (2 * 0.5) * (CONFIG.seq * 8 * d * 4)
+
+
+# ---- every layout against one process, on real ranks ---------------------------------------------------------
+
+LAYOUT_RUN = """
+from course_lib import gpt
+layout = gpt.Layout(**fields)
+summary, _ = gpt.run_layout(layout, steps, device=device, **options)
+summary["layout"] = fields
+"""
+
+
+def run_layout(fields: dict, steps: int = 3, **options) -> dict:
+    done = launch(
+        LAYOUT_RUN,
+        gpt.Layout(**fields).world,
+        backend="gloo",
+        out=["summary"],
+        push={"fields": fields, "steps": steps, "options": options},
+        timeout=280,
+        write=quiet,
+    )
+    return done.values["summary"][0]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_layout({"name": "one process"}, steps=4)["losses"]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"name": "DDP", "dp": 3, "ddp": True},  # 16 rows: 6, 5, 5
+        {"name": "FSDP2", "dp": 3},
+        {"name": "FSDP2 x TP", "dp": 2, "tp": 2},
+        {"name": "PP x FSDP2 x TP", "dp": 2, "tp": 2, "pp": 2, "n_mb": 2},
+    ],
+    ids=lambda f: f["name"],
+)
+def test_every_layout_trains_like_one_process_and_costs_what_the_calculators_say(fields, reference):
+    summary = run_layout(fields, steps=4)
+    layout = gpt.Layout(**fields)
+    assert max(abs(a - b) for a, b in zip(summary["losses"], reference)) < 1e-4
+    for held, (stage, dp_rank) in zip(summary["held"], summary["coordinates"]):
+        assert held["total"] == gpt.predicted_shard_bytes(layout, CONFIG, stage, dp_rank)
+    predicted = gpt.predicted_traffic(layout, CONFIG, 16)
+    for dim, sent in summary["sent"].items():
+        assert sent == pytest.approx(predicted[dim], rel=0.05), dim
+
+
+def test_a_2d_checkpoint_resumes_exactly_in_fsdp_on_three_ranks(tmp_path, reference):
+    two_d = run_layout({"name": "FSDP2 x TP", "dp": 2, "tp": 2}, steps=4, save_at=2, checkpoint=str(tmp_path))
+    resumed = run_layout({"name": "FSDP2", "dp": 3}, steps=4, checkpoint=str(tmp_path), resume=True)
+    assert resumed["first_step"] == 2 and resumed["fingerprint"] == two_d["fingerprint"]
+    assert max(abs(a - b) for a, b in zip(resumed["losses"], two_d["losses"][2:])) < 1e-4
+
+
+# ---- the exercises -------------------------------------------------------------------------------------------
+
+
+def test_prediction_accepts_the_formula_and_rejects_the_usual_mistakes(capsys):
+    tokens = 16 * CONFIG.seq
+    measured = 6 * gpt.count_parameters(CONFIG)["matmul"] * tokens
+    assert check_prediction("flops", SOLUTIONS["predicted_matmul_flops"], measured, rtol=0.01) is True
+    counts = gpt.count_parameters(CONFIG)
+    wrong = {
+        "forward only": 2 * counts["matmul"] * tokens,
+        "every parameter": 6 * counts["total"] * tokens,
+        "no head": 6 * (counts["matmul"] - CONFIG.vocab * CONFIG.d_model) * tokens,
+        "with attention": gpt.flops_per_token(CONFIG) * tokens,
+    }
+    for name, value in wrong.items():
+        assert check_prediction("flops", value, measured, rtol=0.01) is False, name
+    assert check_prediction("flops", None, measured) is None
+
+
+def pp_group(mesh):  # the whole stage group: with 4 stages it holds the middle ones too
+    return mesh["pp"].get_group()
+
+
+def ignores_dp(mesh):  # pairs the stages by tp coordinate only
+    import torch.distributed as dist
+
+    pp, dp, tp = mesh.mesh.shape
+    p, d, t = mesh.get_coordinate()
+    mine = None
+    for t_ in range(tp):
+        group = dist.new_group([t_, (pp - 1) * dp * tp + t_])
+        if t_ == t:
+            mine = group
+    return mine if p in (0, pp - 1) else None
+
+
+def every_stage(mesh):  # gives middle stages a group too
+    import torch.distributed as dist
+
+    pp, dp, tp = mesh.mesh.shape
+    p, d, t = mesh.get_coordinate()
+    mine = None
+    for d_ in range(dp):
+        for t_ in range(tp):
+            group = dist.new_group([int(mesh.mesh[0, d_, t_]), int(mesh.mesh[pp - 1, d_, t_])])
+            if (d_, t_) == (d, t):
+                mine = group
+    return mine
+
+
+def test_embedding_group_checker_accepts_the_solution_and_rejects_wrong_groups(capsys):
+    assert check(SOLUTIONS["embedding_group"], gpt.check_embedding_group, nproc=4, backend="gloo") is True
+    middle = "a middle stage holds no copy of the table, expected None"
+    expected = {
+        pp_group: ("the group holds ranks [0, 1, 2, 3], expected the two stages' ranks", middle),
+        ignores_dp: ("returned a group this rank is not in",),
+        every_stage: (middle,),
+    }
+    for fn, messages in expected.items():
+        capsys.readouterr()
+        assert check(fn, gpt.check_embedding_group, nproc=4, backend="gloo", timeout=90) is False, fn.__name__
+        out = capsys.readouterr().out
+        assert any(m in out for m in messages), (fn.__name__, out)
+
+
+def by_global_rank(mesh, tokens, seq, global_batch):  # the notebook's broken loader
+    import torch.distributed as dist
+
+    from course_lib.gpt import ShardedBatches
+
+    return ShardedBatches(tokens, seq, global_batch, dist.get_rank(), dist.get_world_size())
+
+
+def by_tp_rank(mesh, tokens, seq, global_batch):  # the wrong mesh dimension
+    from course_lib.gpt import ShardedBatches
+
+    return ShardedBatches(tokens, seq, global_batch, mesh["tp"].get_local_rank(), mesh["tp"].size())
+
+
+def rank_modulo(mesh, tokens, seq, global_batch):  # rank % dp: right only when tp is 1
+    import torch.distributed as dist
+
+    from course_lib.gpt import ShardedBatches
+
+    dp = mesh["dp"].size()
+    return ShardedBatches(tokens, seq, global_batch, dist.get_rank() % dp, dp)
+
+
+def test_rows_on_mesh_checker_accepts_the_fix_and_names_the_wrong_rows(capsys):
+    assert check(SOLUTIONS["rows_on_mesh"], gpt.check_rows_on_mesh, nproc=4, backend="gloo") is True
+    for fn in (by_global_rank, by_tp_rank, rank_modulo):
+        capsys.readouterr()
+        assert check(fn, gpt.check_rows_on_mesh, nproc=4, backend="gloo") is False, fn.__name__
+        out = capsys.readouterr().out
+        assert (
+            re.search(r"holds rows \[.*\] of the global batch of \d+, expected rows", out) or "dp ranks empty" in out
+        ), out
