@@ -51,6 +51,9 @@ def test_course_block_closed_forms(t):
     assert sp == pytest.approx(s * b * h * (4 + 28 / t) + (4 * a * s * b + 4 * c * s * b) / t)
     math = activations.course_block_bytes(s, b, attention="math")
     assert math == 38 * s * b * h + 4 * a * s * s * b + 4 * c * s * b
+    padded = activations.course_block_bytes(s, b, head_multiple=8)  # CUDA: heads of 4 values padded to 8
+    assert activations.attention_width(h, a, 8) == 2 * h and activations.attention_width(4096, 32, 8) == 4096
+    assert padded == 42 * s * b * h + 4 * a * s * b + 4 * c * s * b
     with pytest.raises(ValueError, match="flash' or 'math"):
         activations.course_block_terms(s, b, attention="sparse")
 
@@ -308,6 +311,7 @@ def checkpoint_shifted(blocks, x, k):
         (checkpoint_reentrant, "does not require grad"),
     ],
 )
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")  # the reentrant answer's own warning
 def test_checkpoint_every_checker_rejects_wrong_answers_in_process(wrong, says):
     with pytest.raises((ExerciseFailed, RuntimeError), match=says):
         activations.check_checkpoint_every(wrong)

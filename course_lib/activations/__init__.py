@@ -22,6 +22,7 @@ from course_lib.activations.figures import (
 )
 from course_lib.activations.formulas import (
     KORTHIKANTI_TERMS,
+    attention_width,
     course_block_bytes,
     course_block_terms,
     korthikanti_bytes,
@@ -36,6 +37,7 @@ from course_lib.activations.measure import (
     cuda_memory,
     cuda_memory_report,
     derived_held,
+    head_multiple,
     layer_bytes,
     loss_of,
     measure_step,
@@ -62,6 +64,7 @@ __all__ = [
     "Setup",
     "attempt",
     "attention_backend",
+    "attention_width",
     "block_stack",
     "check_checkpoint_every",
     "check_evaluate",
@@ -77,6 +80,7 @@ __all__ = [
     "draw_recompute",
     "estimate",
     "explorer_curves",
+    "head_multiple",
     "korthikanti_bytes",
     "korthikanti_terms",
     "ladder",

@@ -16,21 +16,29 @@ from __future__ import annotations
 
 from typing import Any
 
-# (term, bytes per element of s·b·h or of a·s²·b, "sbh" or "as2b", divided by t under TP, divided by t under SP)
-KORTHIKANTI_TERMS: list[tuple[str, int, str, bool, bool]] = [
-    ("attention: QKV input (LayerNorm output)", 2, "sbh", False, True),
-    ("attention: Q and K, for QKᵀ", 4, "sbh", True, True),
-    ("attention: softmax output", 2, "as2b", True, True),
-    ("attention: softmax dropout mask", 1, "as2b", True, True),
-    ("attention: dropout output, for ·V", 2, "as2b", True, True),
-    ("attention: V", 2, "sbh", True, True),
-    ("attention: output projection input", 2, "sbh", True, True),
-    ("attention: dropout mask", 1, "sbh", False, True),
-    ("MLP: first linear input", 2, "sbh", False, True),
-    ("MLP: GeLU input", 8, "sbh", True, True),
-    ("MLP: second linear input", 8, "sbh", True, True),
-    ("MLP: dropout mask", 1, "sbh", False, True),
-    ("LayerNorm: the two inputs", 4, "sbh", False, True),
+# Each term: bytes per element of s·b·h or of a·s²·b, and whether tensor parallelism splits it over the t ranks
+# (it lies between a column- and a row-parallel layer) or leaves it replicated. Sequence parallelism, as the paper
+# implements it, divides every term by t.
+_PAPER_TABLE = """
+attention: QKV input (LayerNorm output) | 2 | sbh  | replicated
+attention: Q and K, for QKᵀ             | 4 | sbh  | split
+attention: softmax output               | 2 | as2b | split
+attention: softmax dropout mask         | 1 | as2b | split
+attention: dropout output, for ·V       | 2 | as2b | split
+attention: V                            | 2 | sbh  | split
+attention: output projection input      | 2 | sbh  | split
+attention: dropout mask                 | 1 | sbh  | replicated
+MLP: first linear input                 | 2 | sbh  | replicated
+MLP: GeLU input                         | 8 | sbh  | split
+MLP: second linear input                | 8 | sbh  | split
+MLP: dropout mask                       | 1 | sbh  | replicated
+LayerNorm: the two inputs               | 4 | sbh  | replicated
+"""
+KORTHIKANTI_TERMS: list[tuple[str, int, str, bool]] = [
+    (name, int(factor), unit, placement == "split")
+    for name, factor, unit, placement in (
+        [field.strip() for field in line.split("|")] for line in _PAPER_TABLE.strip().splitlines()
+    )
 ]
 SELECTIVE = ("attention: softmax output", "attention: softmax dropout mask", "attention: dropout output, for ·V")
 
@@ -40,11 +48,11 @@ def korthikanti_terms(
 ) -> dict[str, float]:
     """The paper's bytes per layer, term by term; `selective` drops what their selective recomputation recomputes."""
     terms = {}
-    for name, factor, unit, tp_divides, sp_divides in KORTHIKANTI_TERMS:
+    for name, factor, unit, split in KORTHIKANTI_TERMS:
         if selective and name in SELECTIVE:
             continue
         size = s * b * h if unit == "sbh" else a * s * s * b
-        divided = tp_divides or (sequence_parallel and sp_divides)
+        divided = split or sequence_parallel
         terms[name] = factor * size / (t if divided else 1)
     return terms
 
@@ -54,6 +62,13 @@ def korthikanti_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence_paral
     if sequence_parallel:
         return s * b * h * (34 + 5 * a * s / h) / t
     return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+def attention_width(h: int, a: int, head_multiple: int = 1) -> int:
+    """Values per token in q, k, v and the output as the fused kernel stores them: CUDA's flash attention pads each
+    head to a multiple of 8 values (head_multiple=8), the CPU's does not (1)."""
+    head = h // a
+    return a * -(-head // head_multiple) * head_multiple
 
 
 def course_block_terms(
@@ -66,6 +81,7 @@ def course_block_terms(
     element_bytes: int = 2,
     stats_bytes: int | None = None,
     attention: str = "flash",
+    head_multiple: int = 1,
     t: int = 1,
     sequence_parallel: bool = False,
 ) -> dict[str, float]:
@@ -73,26 +89,32 @@ def course_block_terms(
 
     element_bytes: the activations' dtype (2 for bf16). stats_bytes: LayerNorm's mean and 1/σ (the input dtype on
     CPU, fp32 on CUDA; default element_bytes). attention: "flash" (fused kernel: q, k, v, the output and a fp32
-    log-sum-exp per row) or "math" (on CPU it computes in fp32 and saves the softmax, a·s² per sequence).
+    log-sum-exp per row; on CUDA heads padded to head_multiple=8 values, and o's input then a copy) or "math"
+    (as on the CPU: it computes in fp32 and saves the softmax, a·s² per sequence).
     With t > 1 (torch's plan, `tensor_parallel.tp_plan`) q/k/v/up are column-parallel and o/down row-parallel;
     with sequence_parallel the norms see s/t tokens, but q/k/v and up save their all-gathered, whole input.
     """
     if attention not in ("flash", "math"):
         raise ValueError(f"attention must be 'flash' or 'math', got {attention!r}")
     e, stats = element_bytes, element_bytes if stats_bytes is None else stats_bytes
-    e_attention = 4 if attention == "math" else e  # the math path upcasts 16-bit q, k, v to fp32
     tokens, sp = s * b, t if sequence_parallel else 1
     terms = {
         "norm1 input (the block input)": e * tokens * h / sp,
         "norm1 mean and 1/σ": 2 * stats * tokens / sp,
         "q/k/v input (norm1 output)": e * tokens * h,
-        "q, k, v": 3 * e_attention * tokens * h / t,
     }
     if attention == "flash":
-        terms["attention output = o input"] = e * tokens * h / t
+        width = attention_width(h, a, head_multiple)
+        terms["q, k, v"] = 3 * e * tokens * width / t
+        if width == h:
+            terms["attention output = o input"] = e * tokens * h / t
+        else:
+            terms["attention output (padded heads)"] = e * tokens * width / t
+            terms["o input (a copy without the padding)"] = e * tokens * h / t
         terms["log-sum-exp (fp32)"] = 4 * a * tokens / t
-    else:
-        terms["softmax output (a·s² per sequence)"] = e_attention * a * s * s * b / t
+    else:  # the math path upcasts 16-bit q, k, v to fp32
+        terms["q, k, v (fp32)"] = 3 * 4 * tokens * h / t
+        terms["softmax output (fp32, a·s² per sequence)"] = 4 * a * s * s * b / t
         terms["o input (attention output)"] = e * tokens * h / t
     terms |= {
         "norm2 input": e * tokens * h / sp,
@@ -110,15 +132,16 @@ def course_block_bytes(s: int, b: int, h: int = 48, a: int = 12, d_ff: int = 192
 
 
 def selective_block_bytes(
-    s: int, b: int, h: int = 48, a: int = 12, d_ff: int = 192, *, element_bytes: int = 2
+    s: int, b: int, h: int = 48, a: int = 12, d_ff: int = 192, *, element_bytes: int = 2, head_multiple: int = 1
 ) -> float:
     """Bytes one checkpointed block keeps under the save-matmuls policy (`recompute.save_matmuls`), flash attention.
 
     What the policy caches: the outputs of q, k, v, o, up and down and the attention kernel's outputs (its
-    output and the fp32 log-sum-exp); plus the block input that the checkpoint keeps to run the block again.
+    output, padded on CUDA, and the fp32 log-sum-exp); plus the block input that the checkpoint keeps to run the
+    block again.
     """
-    e, tokens = element_bytes, s * b
-    return e * tokens * (h + 3 * h + h + h + d_ff + h) + 4 * a * tokens
+    e, tokens, width = element_bytes, s * b, attention_width(h, a, head_multiple)
+    return e * tokens * (h + 3 * h + width + h + d_ff + h) + 4 * a * tokens
 
 
 def stack_bytes(

@@ -38,6 +38,11 @@ def stats_bytes(dtype: torch.dtype, device: torch.device) -> int:
     return 4 if device.type == "cuda" else element_size(dtype)
 
 
+def head_multiple(device: torch.device) -> int:
+    """CUDA's fused attention pads each head to a multiple of 8 values; the CPU's does not."""
+    return 8 if device.type == "cuda" else 1
+
+
 def layer_bytes(
     s: int, b: int, *, attention: str = "flash", dtype: torch.dtype = torch.bfloat16, device: torch.device | None = None
 ) -> dict[str, Any]:
@@ -50,19 +55,25 @@ def layer_bytes(
     with attention_backend(attention):
         measured = saved_activation_bytes(block, x)
     derived = course_block_bytes(
-        s, b, element_bytes=element_size(dtype), stats_bytes=stats_bytes(dtype, device), attention=attention
+        s,
+        b,
+        element_bytes=element_size(dtype),
+        stats_bytes=stats_bytes(dtype, device),
+        attention=attention,
+        head_multiple=head_multiple(device),
     )
     return {"s": s, "b": b, "measured": measured, "derived": derived}
 
 
 def derived_held(mode: str, layers: int, s: int, b: int, dtype: torch.dtype, device: torch.device) -> float:
     """Bytes `layers` blocks hold after the forward under `mode` (formulas.stack_bytes, flash attention)."""
-    e = element_size(dtype)
-    per_layer = course_block_bytes(s, b, element_bytes=e, stats_bytes=stats_bytes(dtype, device))
+    e, multiple = element_size(dtype), head_multiple(device)
+    per_layer = course_block_bytes(
+        s, b, element_bytes=e, stats_bytes=stats_bytes(dtype, device), head_multiple=multiple
+    )
+    selective = selective_block_bytes(s, b, element_bytes=e, head_multiple=multiple)
     kept = "full" if mode == "from scratch" else mode
-    return stack_bytes(per_layer, layers, e * s * b * HIDDEN, kept, selective_block_bytes(s, b, element_bytes=e))[
-        "held"
-    ]
+    return stack_bytes(per_layer, layers, e * s * b * HIDDEN, kept, selective)["held"]
 
 
 def loss_of(output: torch.Tensor) -> torch.Tensor:
