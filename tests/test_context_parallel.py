@@ -2,13 +2,11 @@
 attention on one process (outputs and gradients, lengths not divisible by N), the bytes against the formula, the
 context-parallel TransformerBlock, torch's layout, and the exercise's checker against its solution and wrong answers.
 
-The multi-rank programs are functions of this file sent to the ranks as source (see `on_ranks`), each
+The multi-rank programs are functions of this file sent to the ranks as source (tests.rank_programs.run_source), each
 self-contained (imports inside).
 """
 
-import inspect
 import runpy
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -17,21 +15,11 @@ import torch.nn.functional as F
 
 from course_lib import context_parallel as cp
 from course_lib.exercises import check, check_prediction
-from course_lib.launch import launch
+from tests.rank_programs import run_source
 
 SOLUTIONS = runpy.run_path(
     str(Path(__file__).parent.parent / "notebooks" / "solutions" / "09_context_and_expert_parallel.py")
 )
-
-
-def on_ranks(program, nproc: int, **kwargs) -> list[dict]:
-    """program(rank, world_size, **kwargs) -> dict on `nproc` gloo ranks; each rank's dict, by rank."""
-    body = textwrap.dedent(inspect.getsource(program))
-    body += f"\nresult = {program.__name__}(rank, world_size, **program_kwargs)\n"
-    done = launch(
-        body, nproc, backend="gloo", out=["result"], push={"program_kwargs": kwargs}, write=lambda text, stream: None
-    )
-    return done.values["result"]
 
 
 # ---- one process -------------------------------------------------------------------------------------
@@ -135,7 +123,7 @@ def ring_against_full_attention(rank, world_size):
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_ring_attention_equals_full_attention(n):
-    for rank, result in enumerate(on_ranks(ring_against_full_attention, n)):
+    for rank, result in enumerate(run_source(ring_against_full_attention, n)):
         assert max(result["errors"]) < 1e-12, (n, rank, result["errors"])
         assert all(result["traffic_ok"]), (n, rank)
         for trace in result["traces"]:
@@ -187,7 +175,7 @@ def block_and_torch_layout(rank, world_size):
 
 
 def test_block_memory_and_torch_layout():
-    for result in on_ranks(block_and_torch_layout, 3):
+    for result in run_source(block_and_torch_layout, 3):
         assert max(result["output"], result["input_grad"], result["grads"]) < 1e-5, result
         assert result["saved"][0] == result["saved"][1]
         assert result["torch_48"] == result["ours_48"]

@@ -3,13 +3,11 @@ against a token-by-token loop, expert parallelism on 2-4 gloo ranks against the 
 gradients, ours and torch's all-to-all), the bytes against the formula, EP x DP on a 2 x 2 mesh, the load balance
 over training, and the exercise's checker against its solution and wrong answers.
 
-The multi-rank programs are functions of this file sent to the ranks as source (see `on_ranks`), each
+The multi-rank programs are functions of this file sent to the ranks as source (tests.rank_programs.run_source), each
 self-contained (imports inside).
 """
 
-import inspect
 import runpy
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -17,21 +15,11 @@ import torch
 
 from course_lib import expert_parallel as ep
 from course_lib.exercises import check
-from course_lib.launch import launch
+from tests.rank_programs import run_source
 
 SOLUTIONS = runpy.run_path(
     str(Path(__file__).parent.parent / "notebooks" / "solutions" / "09_context_and_expert_parallel.py")
 )
-
-
-def on_ranks(program, nproc: int, **kwargs) -> list[dict]:
-    """program(rank, world_size, **kwargs) -> dict on `nproc` gloo ranks; each rank's dict, by rank."""
-    body = textwrap.dedent(inspect.getsource(program))
-    body += f"\nresult = {program.__name__}(rank, world_size, **program_kwargs)\n"
-    done = launch(
-        body, nproc, backend="gloo", out=["result"], push={"program_kwargs": kwargs}, write=lambda text, stream: None
-    )
-    return done.values["result"]
 
 
 # ---- one process -------------------------------------------------------------------------------------
@@ -136,7 +124,7 @@ def expert_parallel_against_one_process(rank, world_size):
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_expert_parallel_equals_one_process(n):
-    for rank, result in enumerate(on_ranks(expert_parallel_against_one_process, n)):
+    for rank, result in enumerate(run_source(expert_parallel_against_one_process, n)):
         for name in ("all_to_all", "torch_all_to_all"):
             r = result[name]
             assert max(r["output"], r["input_grad"], r["grads"]) < 1e-5, (n, rank, name, r)
@@ -178,7 +166,7 @@ def ep_by_dp(rank, world_size):
 
 
 def test_ep_by_dp_on_a_2d_mesh():
-    results = on_ranks(ep_by_dp, 4)
+    results = run_source(ep_by_dp, 4)
     assert [r["first"] for r in results] == [0, 6, 0, 6]
     for r in results:
         assert max(r["output"], r["grads"]) < 1e-5, r
@@ -197,7 +185,7 @@ def load_balance(rank, world_size):
 
 
 def test_balancing_loss_spreads_the_tokens():
-    late = on_ranks(load_balance, 2)[0]
+    late = run_source(load_balance, 2)[0]
     assert late["first 0.0"] > 2
     assert late[0.1][0] < 0.75 * late[0.0][0] and late[0.1][1] < 0.5 * late[0.0][1], late
 

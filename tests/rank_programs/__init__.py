@@ -6,6 +6,8 @@ on N gloo ranks with the course's launcher and returns each rank's dict, indexed
 
 from __future__ import annotations
 
+import inspect
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -27,4 +29,13 @@ def run(
     launch_options.setdefault("backend", "gloo")
     launch_options.setdefault("write", quiet)
     done = launch(body, nproc, out=["result"], push={"program_kwargs": kwargs or {}}, **launch_options)
+    return done.values["result"]
+
+
+def run_source(program: Callable[..., dict], nproc: int, **kwargs: Any) -> list[dict]:
+    """Like `run`, for a program defined in a test file: its source is sent to the ranks (a test module
+    is not importable there), so it must import what it uses inside its body."""
+    body = textwrap.dedent(inspect.getsource(program))
+    body += f"\nresult = {program.__name__}(rank, world_size, **program_kwargs)\n"
+    done = launch(body, nproc, backend="gloo", out=["result"], push={"program_kwargs": kwargs}, write=quiet)
     return done.values["result"]
