@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib import ddp
+from course_lib import compare, ddp
 from course_lib.exercises import check, check_prediction
 from course_lib.models import MLP
 from tests.rank_programs import ddp as rank_programs
@@ -147,7 +147,7 @@ def test_simulated_buckets_and_formulas():
     assert list(sampler) == order[1::2]
 
 
-# ---- the persistent-rank walk-through: the buckets DDP all-reduces, step by step ------------------------------
+# ---- the persistent-rank walk-through (recording hook), unused parameters, uneven inputs --------------------
 
 
 def run_here(program, nproc: int) -> list[dict]:
@@ -193,3 +193,165 @@ def test_recording_hook_shows_one_bucket_then_the_rebuilt_ones():
         for buckets in later:
             assert [sorted(b) for b in buckets] == expected, (rank, buckets)
         assert max(values["gaps"]) < 1e-6, (rank, values["gaps"])  # the hook averages as DDP's all-reduce does
+
+
+def unused_parameters(rank: int, world_size: int) -> dict:
+    """The error without find_unused_parameters; the fix with a branch per task; collectives per step."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from course_lib.compare import max_difference
+
+    x, y = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank)), torch.zeros(8, 8)
+    loss = torch.nn.functional.mse_loss
+    model = DDP(ddp.MLPWithBranches())
+    try:
+        for _ in range(2):
+            loss(model(x), y).backward()
+        error = None
+    except RuntimeError as raised:
+        error = str(raised)
+    dist.barrier()  # the error leaves the process group usable
+
+    fixed = DDP(ddp.MLPWithBranches(), find_unused_parameters=True)
+    task = rank % 2
+    loss(fixed(x, branch=task), y).backward()
+    alone = ddp.MLPWithBranches()
+    loss(alone(x, branch=task), y).backward()
+    branch_gaps = []
+    for b, branch in enumerate(fixed.module.branches):
+        expected = (alone.branches[b].weight.grad if b == task else torch.zeros_like(branch.weight)) / world_size
+        dist.all_reduce(expected)
+        branch_gaps.append(max_difference(branch.weight.grad, expected))
+
+    frozen = ddp.MLPWithBranches()
+    frozen.branches.requires_grad_(False)
+    variants = {
+        "frozen": DDP(frozen),
+        "find_unused": DDP(ddp.MLPWithBranches(), find_unused_parameters=True),
+        "static_graph": DDP(ddp.MLPWithBranches(), static_graph=True),
+    }
+
+    def step(model):
+        return lambda: (model.zero_grad(), loss(model(x), y).backward())
+
+    counts = {}
+    for name, variant in variants.items():
+        counts[name] = [ddp.collectives_in(step(variant)) for _ in range(5)]
+    return {
+        "error": error,
+        "indices": ddp.branch_indices(model),
+        "branch_gaps": branch_gaps,
+        "in_sync": ddp.check_gradient_sync(fixed),
+        "counts": counts,
+    }
+
+
+def test_unused_parameters_error_fix_and_collectives_per_step():
+    for rank, values in enumerate(run_here(unused_parameters, 3)):
+        assert values["indices"] == [10, 11, 12, 13]
+        error = values["error"]
+        assert error.startswith("Expected to have finished reduction in the prior iteration"), error
+        assert f"Parameter indices which did not receive grad for rank {rank}: 10 11 12 13" in error
+        assert "find_unused_parameters=True" in error
+        # every rank holds each branch's gradient: the takers' sum over N, also a rank that did not take it
+        assert max(values["branch_gaps"]) < 1e-6 and values["in_sync"] == 0.0, values
+        counts = values["counts"]
+        # once DDP has learnt the order (and rebuilt its buckets, a few broadcasts in step 2): one all-reduce per
+        # step, and find_unused_parameters adds the all-reduce of the used-parameter map (it never rebuilds)
+        assert counts["frozen"][3:] == counts["static_graph"][3:] == [1, 1], counts
+        assert counts["find_unused"] == [2] * 5, counts
+
+
+def uneven_inputs(rank: int, world_size: int) -> dict:
+    """Without Join: a stuck all-reduce on a 2 s group, monitored_barrier naming the stuck ranks. With torch's Join
+    (both divisors) and the from-scratch join: the reference's weights."""
+    from datetime import timedelta
+
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from course_lib.compare import max_difference
+
+    batches = ddp.uneven_batches(world_size)
+    loss = torch.nn.functional.mse_loss
+    short = dist.new_group(backend="gloo", timeout=timedelta(seconds=2))
+    stuck = DDP(MLP(), process_group=short)
+    done, outcome = 0, "no error"
+    try:
+        for x, y in batches[rank]:
+            loss(stuck(x), y).backward()
+            done += 1
+        dist.monitored_barrier(short, timeout=timedelta(seconds=2), wait_all_ranks=True)
+    except RuntimeError as error:
+        outcome = str(error)
+    dist.barrier()  # the default group still works
+
+    gaps = {}
+    for divide in (True, False):
+        model = DDP(MLP())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with Join([model], divide_by_initial_world_size=divide):
+            for x, y in batches[rank]:
+                optimizer.zero_grad()
+                loss(model(x), y).backward()
+                optimizer.step()
+        for reference_divide in (True, False):
+            reference = ddp.uneven_reference(MLP(), batches, lr=0.1, divide_by_initial_world_size=reference_divide)
+            gaps[(divide, reference_divide)] = max_difference(model, reference)
+    mine = ddp.MinimalDDP(MLP(seed=rank), bucket_cap_mb=0.01)
+    steps = ddp.train_with_join(mine, batches[rank], torch.optim.SGD(mine.parameters(), lr=0.1))
+    scratch_gap = max_difference(mine, ddp.uneven_reference(MLP(), batches, lr=0.1))
+    return {"done": done, "outcome": outcome, "gaps": gaps, "steps": steps, "scratch_gap": scratch_gap}
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_uneven_inputs_hang_without_join_and_equal_the_reference_with_it(nproc):
+    stuck = ", ".join(str(r) for r in range(1, nproc))
+    for rank, values in enumerate(run_here(uneven_inputs, nproc)):
+        if rank == 0:  # 2 batches, then the barrier names every rank still in its all-reduce
+            assert values["done"] == 2 and f"Ranks {stuck} failed to pass monitoredBarrier" in values["outcome"]
+        else:
+            # its own timeout, or a peer's that closed the connection first
+            assert values["done"] == 2 and re.search(r"timed? ?out|closed", values["outcome"], re.I), values
+        gaps = values["gaps"]
+        assert gaps[(True, True)] < 1e-6 and gaps[(False, False)] < 1e-6, gaps
+        assert gaps[(True, False)] > 1e-3 and gaps[(False, True)] > 1e-3, gaps  # the divisor matters
+        assert values["steps"] == nproc + 1 and values["scratch_gap"] < 1e-6, values
+
+
+def test_uneven_batches_and_the_reference():
+    batches = ddp.uneven_batches(3, batch_size=4, fewest=2)
+    assert [len(b) for b in batches] == [2, 3, 4]
+    rows = torch.cat([x for rank_batches in batches for x, _ in rank_batches])
+    assert rows.shape == (36, 32) and len({tuple(r.tolist()) for r in rows}) == 36  # no sample on two ranks
+    # one rank: the reference is plain SGD over its batches, whichever divisor
+    model = MLP()
+    one = ddp.uneven_reference(model, batches[:1], lr=0.1)
+    plain = MLP()
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for x, y in batches[0]:
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(plain(x), y).backward()
+        optimizer.step()
+    assert compare.max_difference(one, plain) == 0.0
+    assert compare.max_difference(model, MLP()) == 0.0  # the reference trains a copy
+
+
+def test_branches_and_step_timing():
+    model = ddp.MLPWithBranches()
+    x = torch.randn(5, 32)
+    assert torch.equal(model(x), model.trunk(x))
+    assert not torch.equal(model(x, branch=1), model(x, branch=0))
+    assert ddp.branch_indices(model) == [10, 11, 12, 13]
+    assert ddp.branch_indices(torch.nn.ModuleDict({"module": model})) == [10, 11, 12, 13]
+
+    import time
+
+    calls = []
+    seconds = ddp.seconds_per_step(
+        {"fast": lambda: calls.append("fast"), "slow": lambda: (calls.append("slow"), time.sleep(0.002))},
+        repeats=5,
+        warmup=1,
+    )
+    assert calls == ["fast", "slow"] * 6  # in turns, warm-up included
+    assert seconds["slow"] >= 0.002 > seconds["fast"]

@@ -4,6 +4,8 @@
 - replicas: the gradient-sync check and the rank-0 snapshot
 - train: the training harness, single-process or data-parallel over the same batches
 - comm_hooks: torch DDP's compression hooks (fp16, bf16, PowerSGD), a timing hook and a bucket-recording hook
+- unused: a model with branches a step may not take; collectives counted per step; step times measured in turns
+- uneven: ranks with uneven numbers of batches: Join from scratch for MinimalDDP, and the reference run
 - figures: ring bytes, the bucket/overlap simulator, memory per rank
 - checkers: the exercises' checkers (the solutions are in notebooks/solutions/02_ddp.py)
 """
@@ -29,21 +31,26 @@ from course_lib.ddp.figures import (
 from course_lib.ddp.minimal_ddp import MB, Bucket, MinimalDDP, assign_buckets, unwrap
 from course_lib.ddp.replicas import check_gradient_sync, load_snapshot, save_snapshot
 from course_lib.ddp.train import TrainLog, bytes_written, global_loader, rank_loader, shuffled_order, train
+from course_lib.ddp.uneven import shadow_all_reduce, train_with_join, uneven_batches, uneven_reference
+from course_lib.ddp.unused import MLPWithBranches, branch_indices, collectives_in, seconds_per_step
 
 __all__ = [
     "COMM_HOOKS",
     "MB",
     "Bucket",
+    "MLPWithBranches",
     "MinimalDDP",
     "TrainLog",
     "assign_buckets",
     "attach_comm_hook",
     "bf16_compress_hook_any_backend",
+    "branch_indices",
     "bytes_written",
     "check_accumulate_step",
     "check_average_gradient",
     "check_gradient_sync",
     "check_mean_allreduce_hook",
+    "collectives_in",
     "ddp_bytes_per_rank",
     "global_loader",
     "gradient_error",
@@ -55,10 +62,15 @@ __all__ = [
     "recording_hook",
     "ring_bytes",
     "save_snapshot",
+    "seconds_per_step",
+    "shadow_all_reduce",
     "shuffled_order",
     "simulate_buckets",
     "timed_allreduce_hook",
     "train",
     "train_with_hook",
+    "train_with_join",
+    "uneven_batches",
+    "uneven_reference",
     "unwrap",
 ]

@@ -1,0 +1,73 @@
+"""Parameters without a gradient in a step: a model with a branch not taken, and what DDP's answers cost.
+
+DDP's reducer waits for every parameter's gradient before it can finish a step. A parameter that
+took no part in the loss (a branch not taken) never reports, and the next forward fails. Two fixes:
+``find_unused_parameters=True`` walks the autograd graph after every forward to mark the missing
+ones ready, and all-reduces a map of who used what (one extra collective per step);
+``static_graph=True`` learns the unused set in the first step and trusts it from then on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from course_lib.models import MLP
+
+
+class MLPWithBranches(nn.Module):
+    """The course MLP as a trunk, and branches of which a forward takes one, or none.
+
+    As in multi-task training, where each batch belongs to one task and each task has its own head.
+    """
+
+    def __init__(
+        self, d_in: int = 32, d_hidden: int = 64, d_out: int = 8, n_layers: int = 4, n_branches: int = 2, seed: int = 0
+    ) -> None:
+        super().__init__()
+        self.trunk = MLP(d_in, d_hidden, d_out, n_layers, seed=seed)
+        self.branches = nn.ModuleList(nn.Linear(d_out, d_out) for _ in range(n_branches))
+
+    def forward(self, x: torch.Tensor, branch: int | None = None) -> torch.Tensor:
+        h = self.trunk(x)
+        return h if branch is None else h + self.branches[branch](h)
+
+
+def branch_indices(model: nn.Module) -> list[int]:
+    """Positions of the branches' parameters in model.parameters(): the indices DDP's error names."""
+    names = [name.removeprefix("module.") for name, _ in model.named_parameters()]
+    return [i for i, name in enumerate(names) if name.startswith("branches.")]
+
+
+def collectives_in(fn: Callable[[], object], group: dist.ProcessGroup | None = None) -> int:
+    """How many collectives `fn()` starts on this rank in `group` (default: the default group).
+
+    Every collective moves the group's sequence number on by one, also those DDP's C++ reducer
+    starts, which no Python wrapper of torch.distributed sees.
+    """
+    pg: Any = group or dist.distributed_c10d._get_default_group()  # the getter is missing from torch's stubs
+    before = pg._get_sequence_number_for_group()
+    fn()
+    return pg._get_sequence_number_for_group() - before
+
+
+def seconds_per_step(steps: dict[str, Callable[[], object]], repeats: int = 30, warmup: int = 3) -> dict[str, float]:
+    """The fastest wall time of each step function, measured in turns (a, b, c, a, b, c, ...).
+
+    Taking turns puts every variant under the same load; the fastest of many steps is the one the
+    machine disturbed least, so their ratio means something on a busy machine even when their
+    absolute times do not. The first `warmup` turns are not counted.
+    """
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for turn in range(warmup + repeats):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            if turn >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: min(t) for name, t in times.items()}
