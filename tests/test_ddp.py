@@ -18,7 +18,7 @@ from course_lib import compare, ddp
 from course_lib.exercises import check, check_prediction
 from course_lib.models import MLP
 from tests.rank_programs import ddp as rank_programs
-from tests.rank_programs import run
+from tests.rank_programs import run, run_source
 
 
 @pytest.mark.parametrize("nproc", [2, 3, 4])
@@ -148,22 +148,16 @@ def test_simulated_buckets_and_formulas():
 
 
 # ---- the persistent-rank walk-through (recording hook), unused parameters, uneven inputs --------------------
-
-
-def run_here(program, nproc: int) -> list[dict]:
-    """rank_programs.run for a program of this file, which the ranks import as tests.test_ddp (pytest: test_ddp)."""
-    from course_lib.launch import launch
-    from tests.rank_programs import quiet
-
-    body = f"from tests.test_ddp import {program.__name__}\nresult = {program.__name__}(rank, world_size)\n"
-    return launch(body, nproc, backend="gloo", out=["result"], write=quiet).values["result"]
+# Rank programs defined here travel as source (run_source): each imports what it uses (torch and dist are there).
 
 
 def buckets_step_by_step(rank: int, world_size: int) -> dict:
     """recording_hook: one bucket in the first step, then the rebuilt buckets; gradients as without the hook."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from course_lib import ddp
     from course_lib.compare import max_difference
+    from course_lib.models import MLP
 
     x, y = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank)), torch.zeros(8, 8)
     recorded, per_step = {}, []
@@ -187,7 +181,7 @@ def test_recording_hook_shows_one_bucket_then_the_rebuilt_ones():
     by_id = {id(p): name for name, p in model.named_parameters()}
     params = list(model.parameters())
     expected = [sorted(by_id[id(p)] for p in bucket) for bucket in ddp.assign_buckets(params, int(0.01 * ddp.MB))]
-    for rank, values in enumerate(run_here(buckets_step_by_step, 3)):
+    for rank, values in enumerate(run_source(buckets_step_by_step, 3)):
         first, *later = values["per_step"]
         assert first == [names], (rank, first)  # step 0: everything in one bucket, in declaration order
         for buckets in later:
@@ -199,6 +193,7 @@ def unused_parameters(rank: int, world_size: int) -> dict:
     """The error without find_unused_parameters; the fix with a branch per task; collectives per step."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from course_lib import ddp
     from course_lib.compare import max_difference
 
     x, y = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank)), torch.zeros(8, 8)
@@ -247,7 +242,7 @@ def unused_parameters(rank: int, world_size: int) -> dict:
 
 
 def test_unused_parameters_error_fix_and_collectives_per_step():
-    for rank, values in enumerate(run_here(unused_parameters, 3)):
+    for rank, values in enumerate(run_source(unused_parameters, 3)):
         assert values["indices"] == [10, 11, 12, 13]
         error = values["error"]
         assert error.startswith("Expected to have finished reduction in the prior iteration"), error
@@ -270,7 +265,9 @@ def uneven_inputs(rank: int, world_size: int) -> dict:
     from torch.distributed.algorithms.join import Join
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from course_lib import ddp
     from course_lib.compare import max_difference
+    from course_lib.models import MLP
 
     batches = ddp.uneven_batches(world_size)
     loss = torch.nn.functional.mse_loss
@@ -307,7 +304,7 @@ def uneven_inputs(rank: int, world_size: int) -> dict:
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_uneven_inputs_hang_without_join_and_equal_the_reference_with_it(nproc):
     stuck = ", ".join(str(r) for r in range(1, nproc))
-    for rank, values in enumerate(run_here(uneven_inputs, nproc)):
+    for rank, values in enumerate(run_source(uneven_inputs, nproc)):
         if rank == 0:  # 2 batches, then the barrier names every rank still in its all-reduce
             assert values["done"] == 2 and f"Ranks {stuck} failed to pass monitoredBarrier" in values["outcome"]
         else:
