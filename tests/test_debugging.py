@@ -7,6 +7,7 @@ a few seconds of start-up, so one program carries many checks and returns its re
 from __future__ import annotations
 
 import runpy
+import statistics
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from course_lib import debugging
 from course_lib.exercises import check, check_prediction
 from course_lib.launch import RankFailedError
 from tests.rank_programs import debugging as programs
+from tests.rank_programs import debugging_tools as rank_tools
 from tests.rank_programs import run
 
 SOLUTIONS = Path(__file__).resolve().parents[1] / "notebooks" / "solutions" / "12_debugging_and_monitoring.py"
@@ -246,3 +248,162 @@ def test_ring_bytes_prediction(nproc, capsys):
     for why, value in wrong.items():
         assert check_prediction("bytes", value, measured, rtol=0.01) is False, why
     assert capsys.readouterr().out.count("✗") == len(wrong)
+
+
+# ---- the debug variables, a hang diagnosed from outside, stragglers --------------------------------------------
+
+HANG = """import time
+from course_lib.debugging import arm_for_diagnosis
+arm_for_diagnosis(DIAGNOSIS_DIR)
+
+
+def evaluate():
+    while True:
+        time.sleep(0.05)
+
+
+def train(steps):
+    for step in range(steps):
+        grad = torch.full((4,), float(rank))
+        if rank == 1 and step == 3:
+            break
+        dist.all_reduce(grad)
+    evaluate()
+
+
+train(6)
+"""
+
+
+def test_diagnose_hang_names_where_each_rank_waits_and_leaves_nothing(tmp_path):
+    diagnosis = debugging.diagnose_hang(HANG, 3, backend="gloo", timeout=240)
+    assert sorted(diagnosis.stacks) == [0, 1, 2] and all(s.idle for s in diagnosis.stacks.values())
+    for rank, stack in diagnosis.stacks.items():
+        mine = [(f.function, f.line, dict(f.variables).get("step")) for f in stack.frames if f.basename == "cell.py"]
+        if rank == 1:  # left the loop at step 3, now in evaluate
+            assert mine == [("evaluate", 8, None), ("train", 17, "3"), ("<module>", 20, None)], mine
+            assert debugging.describe(stack, variables=("step",)) == (
+                "evaluate (cell line 8) <- train (cell line 17, step=3) <- <module> (cell line 20)"
+            )
+        else:  # waiting in the all-reduce of step 3
+            assert stack.frames[0].function == "all_reduce" and mine[0] == ("train", 16, "3"), mine
+    records = diagnosis.flight
+    assert {r: rec.last_enqueued for r, rec in records.items()} == {0: 4, 1: 3, 2: 4}
+    assert records[0].describe(4) == "#4 gloo:all_reduce of [4] from train (cell line 16)"
+    assert records[1].describe(4) == "never issued #4"
+    assert diagnosis.left == []
+
+
+def test_diagnose_hang_refuses_a_program_that_does_not_hang():
+    with pytest.raises(RuntimeError, match="no hang to diagnose"):
+        debugging.diagnose_hang("print('done')", 2, backend="gloo", timeout=120)
+
+
+PY_SPY_DUMP = """Process 25640: /work/main/.venv/bin/python -u -m course_lib.launch.worker /tmp/torchrun-cell-x
+Python v3.11.7 (/root/.pyenv/versions/3.11.7/bin/python3.11)
+
+Thread 25640 (idle): "MainThread"
+    all_reduce (torch/distributed/distributed_c10d.py:3252)
+        Arguments:
+            tensor: <Tensor at 0x7f41cf32a530>
+        Locals:
+            work: <torch._C._distributed_c10d.Work at 0x7f41cf59c530>
+    _exception_logger.<locals>.wrapper (torch/distributed/c10d_logger.py:83)
+    train (/tmp/torchrun-cell-x/cell.py:15)
+        Arguments:
+            steps: 5
+        Locals:
+            step: 2
+    <module> (/tmp/torchrun-cell-x/cell.py:19)
+    main (course_lib/launch/worker.py:106)
+Thread 25650 (active): "flight-recorder-dump"
+    wait_then_dump (course_lib/debugging/flight.py:40)
+"""
+
+
+def test_py_spy_dumps_parse_into_frames_and_variables():
+    threads = debugging.parse_dump(PY_SPY_DUMP)
+    assert [(t.name, t.idle, len(t.frames)) for t in threads] == [
+        ("MainThread", True, 5),
+        ("flight-recorder-dump", False, 1),
+    ]
+    main = debugging.main_thread(PY_SPY_DUMP)
+    assert main.frames[2].variables == (("steps", "5"), ("step", "2"))
+    assert debugging.describe(main, variables=("step",)) == (
+        "all_reduce (distributed_c10d.py) <- train (cell line 15, step=2) <- <module> (cell line 19)"
+    )
+    colored = (
+        'Thread \x1b[33m1\x1b[0m (idle): "MainThread"\n    \x1b[32mf\x1b[0m (\x1b[36mcell.py\x1b[0m:\x1b[2m3\x1b[0m)'
+    )
+    from course_lib.debugging.stacks import _ANSI
+
+    assert debugging.describe(debugging.main_thread(_ANSI.sub("", colored))) == "f (cell line 3)"
+
+
+def test_debug_variable_lines_are_filtered_and_sanitized():
+    lines = debugging.rank_lines(
+        [
+            "[rank 0] [I1201 07:40:52.846279724 debug.cpp:48] [c10d] The debug level is set to DETAIL.\n",
+            "[rank 0] [I1201 07:40:55.471 socket.cpp:955] [c10d] The client socket has connected to "
+            "[::ffff:127.0.0.1]:33043 on SocketImpl(fd=3, addr=[::ffff:127.0.0.1]:34232, "
+            "remote=[::ffff:127.0.0.1]:33043).\n"
+            "[rank 1] [rank1]:[I1201 07:40:55.589 ProcessGroupWrapper.cpp:710] [Rank 1] Running collective: "
+            "CollectiveFingerPrint(SequenceNumber=1, OpType=ALLREDUCE, TensorShape=[5], TensorDtypes=Float, "
+            "TensorDeviceTypes=TensorOptions(dtype=float (default), device=cpu, memory_format=(nullopt)))\n",
+            "[rank 1] gpu-node:4321:4400 [1] NCCL INFO comm 0x5581c0e0 rank 1 nranks 2 cudaDev 1 busId 1b000 "
+            "- Init COMPLETE\n",
+            "not a rank's line\n",
+        ]
+    )
+    assert debugging.c10d_log(lines[0]) == [
+        ("debug.cpp", "[c10d] The debug level is set to DETAIL."),
+        ("socket.cpp", "[c10d] The client socket has connected to [::ffff:127.0.0.1]:PORT"),
+    ]
+    assert debugging.c10d_log(lines[1]) == [
+        (
+            "ProcessGroupWrapper.cpp",
+            "[Rank 1] Running collective: CollectiveFingerPrint(SequenceNumber=1, OpType=ALLREDUCE, TensorShape=[5], "
+            "TensorDtypes=Float, ...)",
+        )
+    ]
+    assert debugging.nccl_log(lines[1]) == [
+        "NCCL INFO comm 0x... rank 1 nranks 2 cudaDev 1 busId 1b000 - Init COMPLETE"
+    ]
+
+
+def test_a_straggler_works_longest_and_waits_least():
+    delay = 0.08
+    ranks = run(rank_tools.stragglers, 3, kwargs={"slow_rank": 1, "delay_s": delay}, timeout=240)
+    work = [statistics.median(r["work"]) for r in ranks]
+    wait = [statistics.median(r["wait"]) for r in ranks]
+    assert max(range(3), key=work.__getitem__) == 1 and min(range(3), key=wait.__getitem__) == 1
+    assert work[1] >= delay and all(work[1] >= 3 * work[r] for r in (0, 2)), work
+    assert all(wait[r] >= delay / 2 for r in (0, 2)), wait
+    assert all(len(r["step"]) == 8 for r in ranks)
+
+
+def test_detail_crashes_ddp_construction_on_gloo():
+    """torch 2.13: TORCH_DISTRIBUTED_DEBUG=DETAIL + DDP on gloo dies with SIGSEGV in DDP's start-up logging.
+
+    Notebook 12 says so and uses DETAIL on plain collectives only. When this test fails, torch fixed it:
+    update section 4 of the notebook.
+    """
+    with pytest.raises(RankFailedError) as caught:
+        run(rank_tools.ddp_construction, 2, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, timeout=120)
+    assert any("SIGSEGV" in f.summary for f in caught.value.failures), [f.summary for f in caught.value.failures]
+
+
+def test_nccl_timeout_is_refused_at_once_without_gpus():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU machine runs it in notebook 12")
+    from course_lib.launch import LaunchError
+
+    with pytest.raises(LaunchError):
+        debugging.nccl_timeout(2, {"TORCH_NCCL_BLOCKING_WAIT": "1"})
+
+
+def test_live_step_plot_joins_a_step_line_the_tee_split():
+    live = debugging.LiveStepPlot(2, samples_per_rank=32, live=False)
+    for piece in ("[rank 0] step 0 0.0061", "[rank 1] step 0 0.005 s 300.0 MB 0.4", "[rank 0] 23 s 309.4 MB 0.41"):
+        live.write(piece + "\n", "stdout")
+    assert live.lines_seen == 2 and live.seconds == {0: [0.006123], 1: [0.005]} and live.memory[0] == [309.4]

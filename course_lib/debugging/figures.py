@@ -11,6 +11,7 @@ if TYPE_CHECKING:
 
 # The line train_monitored (train.py) prints each step, as the launcher shows it: prefixed with the rank.
 _STEP_LINE = re.compile(r"^\[rank (\d+)\] step (\d+) (\S+) s (\S+) MB")
+_RANK_LINE = re.compile(r"^\[rank (\d+)\] (.*)$")
 
 
 def plot_steps(
@@ -57,17 +58,23 @@ class LiveStepPlot:
         self._last_draw = 0.0
         self._handle = None
         self.lines_seen = 0
+        self._pieces: dict[str, str] = {}  # rank -> the first piece of a step line torchrun's tee split in two
 
     def write(self, text: str, stream: str) -> None:
         import sys
 
         for line in text.splitlines():
+            ranked = _RANK_LINE.match(line)
+            if ranked and ranked.group(1) in self._pieces:  # torchrun's tee read a line half-written
+                line = f"[rank {ranked.group(1)}] {self._pieces.pop(ranked.group(1))}{ranked.group(2)}"
             match = _STEP_LINE.match(line)
             if match:
                 rank = int(match.group(1))
                 self.seconds.setdefault(rank, []).append(float(match.group(3)))
                 self.memory.setdefault(rank, []).append(float(match.group(4)))
                 self.lines_seen += 1
+            elif ranked and ranked.group(2).startswith("step "):
+                self._pieces[ranked.group(1)] = ranked.group(2)
             elif stream == "stderr":
                 sys.stderr.write(line + "\n")  # anything else the ranks say stays visible
             else:
@@ -99,3 +106,28 @@ class LiveStepPlot:
             return
         plot_steps(seconds, memory, self.samples_per_rank)
         plt.show()
+
+
+def plot_stragglers(times: list[dict[str, list[float]]]) -> Figure:
+    """Left: every rank's step time, step by step (all alike). Right: each rank's median step split
+    into its own work and its wait in the all-reduce (the straggler works longest and waits least)."""
+    import statistics
+
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3), gridspec_kw={"width_ratios": [3, 2]})
+    for rank, t in enumerate(times):
+        left.plot([s * 1e3 for s in t["step"]], marker=".", label=f"rank {rank}")
+    left.set(xlabel="step", ylabel="ms", ylim=(0, None), title="step time per rank: the same on every rank")
+    left.legend(fontsize=8)
+    ranks = list(range(len(times)))
+    work = [statistics.median(t["work"]) * 1e3 for t in times]
+    wait = [statistics.median(t["wait"]) * 1e3 for t in times]
+    right.barh(ranks, work, color="tab:blue", label="own work")
+    right.barh(ranks, wait, left=work, color="tab:orange", label="waiting in all-reduce")
+    right.set_yticks(ranks, [f"rank {r}" for r in ranks])
+    right.invert_yaxis()
+    right.set(xlabel="median ms per step", title="where each rank's step goes")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

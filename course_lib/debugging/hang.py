@@ -1,0 +1,133 @@
+"""A hang, diagnosed from outside as an engineer would: stack dumps of every rank, then the flight recorder.
+
+The program under diagnosis calls :func:`arm_for_diagnosis` on every rank first: it leaves the rank's pid
+in a file and arms a thread that dumps the flight recorder on request. :func:`diagnose_hang` (kernel side)
+runs it, dumps every rank's stack with py-spy until two rounds in a row agree (idle threads, frames that
+did not move: the ranks are stuck, not slow), asks for the flight-recorder dumps, then ends the job as an
+interrupt would (every process of the run, by recorded pid and process group) and checks that none is left.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from course_lib.debugging.flight import BUFFER_VARIABLES, FlightRecord, dump_when_asked, read_flight_records
+from course_lib.debugging.stacks import ThreadStack, dump_stack, main_thread
+
+
+def arm_for_diagnosis(directory: str | os.PathLike) -> None:
+    """Rank side, first thing in the program: leave this rank's pid, and dump the flight recorder when asked."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    dump_when_asked(directory, rank, dist.get_backend())
+    partial = Path(directory) / f".pid_{rank}"
+    partial.write_text(str(os.getpid()))
+    partial.rename(Path(directory) / f"pid_{rank}")  # complete or absent
+    print(f"diagnosis: rank {rank} pid {os.getpid()}", flush=True)  # any line makes the kernel look
+
+
+@dataclass
+class HangDiagnosis:
+    stacks: dict[int, ThreadStack]  # each rank's main thread once the stacks stopped moving
+    rounds: int  # rounds of py-spy dumps until two in a row agreed
+    flight: dict[int, FlightRecord]  # each rank's flight-recorder dump
+    left: list[int]  # pids of the run's processes still alive after it was ended
+    output: list[str] = field(default_factory=list)  # what the ranks printed
+
+
+class _Diagnosed(Exception):
+    """Raised from the output callback once the evidence is in: the launcher then ends every process."""
+
+
+def settled_stacks(pids: dict[int, int], deadline: float, pause_s: float = 0.5) -> tuple[dict[int, ThreadStack], int]:
+    """Dump every rank's main thread until two rounds agree and every rank is idle; (stacks, rounds)."""
+    previous: dict[int, ThreadStack] | None = None
+    rounds = 0
+    while True:
+        stacks = {rank: main_thread(dump_stack(pid)) for rank, pid in sorted(pids.items())}
+        rounds += 1
+        idle = all(s.idle for s in stacks.values())
+        if previous is not None and idle and all(stacks[r].shape() == previous[r].shape() for r in stacks):
+            return stacks, rounds
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the ranks' stacks still change after {rounds} dumps: slow, not stuck?")
+        previous = stacks
+        time.sleep(pause_s)
+
+
+def processes_of(run_dir: str) -> list[int]:
+    """Pids of live processes whose command line names `run_dir` (a torchrun agent of that run, its ranks)."""
+    import psutil
+
+    alive = []
+    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
+        if proc.info["status"] != psutil.STATUS_ZOMBIE and run_dir in " ".join(proc.info["cmdline"] or ()):
+            alive.append(proc.info["pid"])
+    return alive
+
+
+def diagnose_hang(
+    body: str,
+    nproc: int,
+    *,
+    backend: str = "auto",
+    push: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 180.0,
+) -> HangDiagnosis:
+    """Run `body` (which calls ``arm_for_diagnosis(DIAGNOSIS_DIR)`` first, then hangs) and diagnose it.
+
+    Raises RuntimeError if the program finishes, the launcher's errors if a rank fails instead of
+    hanging, TimeoutError if the stacks never settle within `timeout` seconds.
+    """
+    import psutil
+
+    from course_lib.launch import launch
+
+    directory = Path(tempfile.mkdtemp(prefix="hang-diagnosis-"))
+    deadline = time.monotonic() + timeout
+    pids: dict[int, int] = {}
+    found: dict[str, Any] = {}
+    output: list[str] = []
+
+    def on_output(text: str, stream: str) -> None:
+        output.append(text)
+        # The pid files, not the lines: torchrun's --tee may hand over a line in two pieces.
+        pids.update({int(p.name[4:]): int(p.read_text()) for p in directory.glob("pid_*")})
+        if len(pids) < nproc or found:
+            return
+        found["run_dir"] = psutil.Process(pids[0]).cmdline()[-1]  # the worker's argument: the run's folder
+        found["stacks"], found["rounds"] = settled_stacks(pids, deadline)
+        (directory / "dump").touch()
+        while len(list(directory.glob("rank_*"))) < nproc:
+            if time.monotonic() > deadline:
+                raise TimeoutError("not every rank wrote its flight-recorder dump")
+            time.sleep(0.05)
+        raise _Diagnosed
+
+    try:
+        launch(
+            body,
+            nproc,
+            backend=backend,
+            push={**(push or {}), "DIAGNOSIS_DIR": str(directory)},
+            env={**BUFFER_VARIABLES, **(env or {})},
+            stream=True,
+            write=on_output,
+            timeout=timeout,
+        )
+    except _Diagnosed:
+        pass
+    else:
+        raise RuntimeError("the program finished: there was no hang to diagnose")
+    finally:
+        flight = read_flight_records(directory)
+        shutil.rmtree(directory, ignore_errors=True)
+    return HangDiagnosis(found["stacks"], found["rounds"], flight, processes_of(found["run_dir"]), output)
