@@ -109,7 +109,7 @@ def saved_activation_bytes(module: nn.Module, x: torch.Tensor) -> int:
         storage = local_tensor(t).untyped_storage()
         if storage.data_ptr() not in parameters:
             seen[storage.data_ptr()] = storage.nbytes()
-        return t
+        return t.detach()  # not t: an op saving its own output would keep its graph alive in a cycle
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         module(x)
