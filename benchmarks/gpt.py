@@ -1,10 +1,10 @@
 """The capstone's speed: achieved FLOP/s over the matmul limit the same ranks get, for every layout.
 
-    .venv/bin/python benchmarks/gpt.py                  # 30 steps per layout, DDP and FSDP2 on 2 ranks
-    .venv/bin/python benchmarks/gpt.py --steps 60 --nproc 4
+    .venv/bin/python benchmarks/gpt.py                  # 60 steps per layout (the notebook's), DDP and FSDP2 on 2 ranks
+    .venv/bin/python benchmarks/gpt.py --steps 120 --nproc 4
 
 Each layout trains the notebook's GPT with gpt.run_layout (one thread per rank on a CPU): the median step
-time of the slowest rank, and the machine's limit measured after every 5th step with the same ranks all
+time of the slowest rank, and the machine's limit measured after every 10th step with the same ranks all
 multiplying at once (the median). Goal: one process reaches at least half the limit; the other layouts are
 reported as measured (their communication, bubble and smaller matmuls keep them lower, notebook 13 says why).
 """
@@ -33,7 +33,7 @@ summary["layout"] = fields
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--nproc", type=int, default=2, help="ranks of the DDP and FSDP2 layouts")
     parser.add_argument("--backend", default="auto")
     args = parser.parse_args()

@@ -27,12 +27,12 @@ def achieved(summary: dict[str, Any]) -> dict[str, float]:
 
 def speed_table(summaries: list[dict[str, Any]]) -> str:
     """One line per layout: tokens/s, achieved FLOP/s, the measured limit, their ratio, and MFU on a GPU."""
-    lines = [f"{'layout':<36} {'tokens/s':>9} {'GFLOP/s':>8} {'limit':>8} {'of limit':>9} {'MFU':>6}"]
+    lines = [f"{'layout':<46} {'tokens/s':>9} {'GFLOP/s':>8} {'limit':>8} {'of limit':>9} {'MFU':>6}"]
     for s in summaries:
         a = achieved(s)
         mfu = f"{a['mfu']:6.1%}" if a["mfu"] else "     -"
         lines.append(
-            f"{s['layout'].describe():<36} {a['tokens_per_s']:>9.0f} {a['flops_per_s'] / 1e9:>8.2f} "
+            f"{s['layout'].describe():<46} {a['tokens_per_s']:>9.0f} {a['flops_per_s'] / 1e9:>8.2f} "
             f"{s['limit_flops'] / 1e9:>8.2f} {a['of_limit']:>9.2f} {mfu}"
         )
     if not any(s["peak_flops"] for s in summaries):
