@@ -285,3 +285,46 @@ def test_prediction_of_bytes_read_per_loading_rank(saved, loading, capsys):
     for wrong in (12 * parameters / saved, 4 * parameters / loading, 12 * parameters):
         assert check_prediction("rows", wrong, measured, rtol=0.05) is False, wrong
     assert "too" in capsys.readouterr().out
+
+
+# ---- elastic membership: torchrun --nnodes 1:2, a node joins, a node leaves ------------------------------------
+
+
+def test_elastic_run_grows_and_shrinks_and_its_losses_continue(tmp_path):
+    run = ck.run_elastic(tmp_path / "elastic", timeout_s=420)
+    starts = ck.segments(run.events)
+    assert [(s.world, s.resumed_from, s.saved_by) for s in starts] == [(1, None, None), (2, 4, 1), (1, 8, 2)]
+    assert [s.steps for s in starts] == [tuple(range(0, 4)), tuple(range(4, 8)), tuple(range(8, 12))]
+    assert [s.restarts for s in starts] == [0, 0, 1]  # joining is not a retry; a node lost is
+    for s in starts:  # each world size's segment follows the uninterrupted run at that size
+        reference = run.references[s.world]
+        assert all(abs(loss - reference[i]) <= 1e-4 * reference[i] for i, loss in zip(s.steps, s.losses)), s
+    assert starts[0].losses == tuple(run.references[1][:4])  # the same processes' arithmetic: bitwise
+    messages = ck.agent_messages(run.agent_lines["node 0"])
+    assert "[default] Detected 1 new nodes from group_rank=0; will restart worker group" in messages
+    assert "[default] Worker group FAILED. 3/3 attempts left; will restart worker group" in messages
+    checkpoints = tmp_path / "elastic" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_4", "step_8"]
+    assert [len(list((checkpoints / f"step_{s}").glob("*.distcp"))) for s in (4, 8)] == [1, 2]
+    assert run.exit_codes["node 0"] == 0 and run.left == []
+
+
+def test_elastic_run_ends_every_process_at_its_timeout(tmp_path):
+    with pytest.raises(TimeoutError, match="gave up waiting for node 0 alone to pause at step 4") as caught:
+        ck.run_elastic(tmp_path / "elastic", timeout_s=6)
+    assert caught.value.__notes__[-1] == "processes left behind after ending both nodes: []"
+
+
+def test_segments_split_the_log_at_each_start_that_trained():
+    events = [
+        {"event": "start", "world": 1, "step": 0, "saved_by": None, "restarts": 0},
+        {"event": "step", "world": 1, "step": 0, "loss": 1.0},
+        {"event": "pause", "world": 1, "step": 1},
+        {"event": "start", "world": 1, "step": 1, "saved_by": 1, "restarts": 0},  # restarted without the change
+        {"event": "start", "world": 2, "step": 1, "saved_by": 1, "restarts": 0},
+        {"event": "step", "world": 2, "step": 1, "loss": 0.5},
+    ]
+    assert ck.segments(events) == [
+        ck.Segment(1, None, None, 0, (0,), (1.0,)),
+        ck.Segment(2, 1, 1, 0, (1,), (0.5,)),
+    ]

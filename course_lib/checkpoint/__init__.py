@@ -10,12 +10,18 @@ Three ways to save an FSDP2-sharded training state, from the simplest to what la
     atomic      every save writes step_N.tmp and renames it to step_N when complete: complete or absent
     integrity   verify (sizes, checksums) and latest_complete: resume from the newest good checkpoint
     train       the shared FSDP2 model and steps, the fault-tolerant loop (train_resumable), save stalls
+    figures     the elastic run's loss curve (kernel-only)
+    elastic     two torchrun agents join and leave one c10d rendezvous (run_elastic, kernel side);
+                elastic_train is the rank side: resume at any world size, pause for membership changes
     checkers    the exercises: find the newest complete checkpoint; agree on it across ranks
 """
 
 from course_lib.checkpoint.atomic import FORMAT, METADATA, CheckpointError
 from course_lib.checkpoint.checkers import check_agreed_resume_step, check_find_latest_complete
 from course_lib.checkpoint.dcp import AppState, AsyncCheckpointer, dcp_load, dcp_save
+from course_lib.checkpoint.elastic import ElasticRun, Segment, agent_messages, run_elastic, segments
+from course_lib.checkpoint.elastic_train import train_elastic, wait_for_membership_change
+from course_lib.checkpoint.figures import plot_elastic
 from course_lib.checkpoint.integrity import files_of, latest_complete, verify
 from course_lib.checkpoint.raw_rows import bytes_read_by_process, row_bytes
 from course_lib.checkpoint.sharded import Loaded, flat_tensors, load_sharded, read_plan, save_sharded, shard_rows
@@ -38,7 +44,10 @@ __all__ = [
     "AppState",
     "AsyncCheckpointer",
     "CheckpointError",
+    "ElasticRun",
     "Loaded",
+    "Segment",
+    "agent_messages",
     "batch_for_step",
     "bytes_read_by_process",
     "check_agreed_resume_step",
@@ -54,14 +63,19 @@ __all__ = [
     "load_sharded",
     "local_state",
     "make_optimizer",
+    "plot_elastic",
     "read_plan",
     "row_bytes",
+    "run_elastic",
     "save_full_snapshot",
     "save_sharded",
+    "segments",
     "shard_rows",
     "sharded_mlp",
     "time_saves",
+    "train_elastic",
     "train_resumable",
     "train_step",
     "verify",
+    "wait_for_membership_change",
 ]

@@ -1,0 +1,127 @@
+"""The rank side of elastic training: the group may change size between any two starts of this program.
+
+torchrun's elastic agent restarts the whole group whenever membership changes: a node joins (the agent
+sees it waiting in the rendezvous and stops its workers) or a node leaves (its peers' collectives fail).
+Each start is a fresh process at a possibly different world size, so the program itself resumes from the
+newest complete DCP checkpoint, resharded to the new world size by DCP, and goes on with the same global
+batch. The run pauses at the `pauses` steps (after a checkpoint) until the membership changes, so the
+changes land at the same steps every time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from course_lib.checkpoint.dcp import AppState, dcp_load, dcp_save
+from course_lib.checkpoint.integrity import latest_complete
+from course_lib.checkpoint.train import batch_for_step, make_optimizer, sharded_mlp, train_step
+
+EVENTS = "events.jsonl"  # rank 0's log: one JSON object per line (start, step, pause)
+
+
+def join_group(backend: str, timeout_s: float) -> None:
+    """init_process_group from torchrun's environment (env://): a fresh store per rendezvous round.
+
+    The agents run with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, so rank 0 of each round hosts a new store:
+    nothing of the previous round's group (another world size) is left in it.
+    """
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", timeout=timedelta(seconds=timeout_s), device_id=device)
+    else:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+
+
+def _log(root: Path, entry: dict) -> None:
+    if dist.get_rank() == 0:
+        with open(root / EVENTS, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+
+def wait_for_membership_change(limit_s: float) -> None:
+    """Idle at a checkpoint until the group changes; this process never returns from here.
+
+    A tiny all-reduce on a gloo group every 0.2 s fails at once when a peer's process is gone (a node
+    left: the agent then restarts the group); when a node joins, the agent stops this process itself.
+    """
+    heartbeat_group = dist.new_group(backend="gloo")  # on NCCL too: gloo notices a dead peer at once
+    beat = torch.zeros(1)
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        dist.all_reduce(beat, group=heartbeat_group)
+        time.sleep(0.2)
+    raise TimeoutError(f"no node joined or left within {limit_s:.0f} s")
+
+
+def reference_losses(total_steps: int, global_batch: int) -> list[float]:
+    """The same training from step 0, uninterrupted, at this world size: what the elastic run must match."""
+    from course_lib.data import regression
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = regression(n=480)
+    model = sharded_mlp()
+    optimizer = make_optimizer(model)
+    return [
+        train_step(model, optimizer, *batch_for_step(data, step, global_batch, rank, world))
+        for step in range(total_steps)
+    ]
+
+
+def train_elastic(
+    root: str | os.PathLike,
+    total_steps: int = 12,
+    pauses: tuple[int, ...] = (4, 8),
+    *,
+    backend: str = "gloo",
+    global_batch: int = 48,
+    timeout_s: float = 300.0,
+) -> None:
+    """Resume from the newest complete checkpoint under ROOT/checkpoints and train to `total_steps`.
+
+    After the checkpoint at each step of `pauses` it waits for a membership change; a start that finds
+    the world size it paused with (the agents restarted without the change) waits again. Rank 0 logs to
+    ROOT/events.jsonl and, once per world size, the losses of an uninterrupted run to reference_<W>.json.
+    """
+    from course_lib.data import regression
+
+    root = Path(root)
+    join_group(backend, timeout_s)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = sharded_mlp()
+    optimizer = make_optimizer(model)
+    app = AppState(model, optimizer)
+    found = [latest_complete(root / "checkpoints")[0] if rank == 0 else None]  # one rank decides, all follow
+    dist.broadcast_object_list(found)
+    saved_by = None
+    if found[0] is not None:
+        dcp_load(found[0], app)
+        saved_by = len(list(Path(found[0]).glob("*.distcp")))  # DCP writes one file per saving rank
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    _log(root, {"event": "start", "world": world, "step": app.step, "saved_by": saved_by, "restarts": restarts})
+    if app.step in pauses and saved_by == world:
+        wait_for_membership_change(timeout_s)  # restarted, but not by the change this pause waits for
+    data = regression(n=480)
+    for step in range(app.step, total_steps):
+        loss = train_step(model, optimizer, *batch_for_step(data, step, global_batch, rank, world))
+        app.step = step + 1
+        _log(root, {"event": "step", "world": world, "step": step, "loss": loss})
+        if app.step in pauses:
+            dcp_save(root / "checkpoints", app.step, app)
+            reference = root / f"reference_{world}.json"
+            todo = [not reference.exists() if rank == 0 else None]
+            dist.broadcast_object_list(todo)  # rank 0 decides: every rank runs the reference, or none
+            if todo[0]:
+                losses = reference_losses(total_steps, global_batch)
+                if rank == 0:
+                    reference.write_text(json.dumps(losses))
+            _log(root, {"event": "pause", "world": world, "step": app.step})
+            wait_for_membership_change(timeout_s)
+    dist.destroy_process_group()
