@@ -28,7 +28,8 @@ from course_lib.gpt.model import GPT, GPTConfig, pipeline_stage
 
 @dataclass(frozen=True)
 class Layout:
-    """A layout: its name and mesh sizes; n_mb micro-batches per dp rank (pipeline schedules)."""
+    """A layout: its name and mesh sizes; n_mb micro-batches per dp rank. On one rank (NPROC = 1) every
+    layout is the plain model: there is nothing to replicate or shard."""
 
     name: str
     dp: int = 1
