@@ -57,19 +57,23 @@ def test_stored_notebook_is_clean(path):
     assert not [t for t in outputs_text(nb) if "Warning" in t or "deprecated" in t]
 
 
-def test_runner_reports_failing_cell_and_rank(tmp_path, capsys):
-    nb = nbformat.v4.new_notebook(
-        cells=[
-            nbformat.v4.new_code_cell("NPROC = 2", metadata={"tags": ["parameters"]}),
-            nbformat.v4.new_code_cell("%load_ext course_lib"),
-            nbformat.v4.new_code_cell(
-                "%%torchrun -n $NPROC --backend gloo\nif rank == 1:\n    raise KeyError('shard')\n"
-            ),
-        ]
-    )
+def write_notebook(path: Path, *sources: str) -> Path:
+    """A notebook of code cells at `path`; the first is tagged `parameters`."""
+    cells = [nbformat.v4.new_code_cell(source) for source in sources]
+    cells[0].metadata["tags"] = ["parameters"]
+    nb = nbformat.v4.new_notebook(cells=cells)
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    path = tmp_path / "99_failing.ipynb"
     nbformat.write(nb, path)
+    return path
+
+
+def test_runner_reports_failing_cell_and_rank(tmp_path, capsys):
+    path = write_notebook(
+        tmp_path / "99_failing.ipynb",
+        "NPROC = 2",
+        "%load_ext course_lib",
+        "%%torchrun -n $NPROC --backend gloo\nif rank == 1:\n    raise KeyError('shard')\n",
+    )
     assert runner.main([str(path), "--out", str(tmp_path / "out"), "--no-progress"]) == 1
     table = capsys.readouterr().out
     assert "99_failing  FAILED" in table
@@ -81,18 +85,12 @@ def test_runner_leaves_no_session_behind(tmp_path):
     """A notebook that starts a persistent session and never stops it: its ranks end with the notebook."""
     import psutil
 
-    nb = nbformat.v4.new_notebook(
-        cells=[
-            nbformat.v4.new_code_cell("%load_ext course_lib"),
-            nbformat.v4.new_code_cell("%dist start -n 2 --backend gloo"),
-            nbformat.v4.new_code_cell(
-                "from course_lib.session import session\nprint('PIDS', *session.current().folder.rank_pids().values())"
-            ),
-        ]
+    path = write_notebook(
+        tmp_path / "98_session_left_running.ipynb",
+        "%load_ext course_lib",
+        "%dist start -n 2 --backend gloo",
+        "from course_lib.session import session\nprint('PIDS', *session.current().folder.rank_pids().values())",
     )
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    path = tmp_path / "98_session_left_running.ipynb"
-    nbformat.write(nb, path)
     assert runner.main([str(path), "--out", str(tmp_path / "out"), "--no-progress"]) == 0
     printed = "".join(outputs_text(nbformat.read(tmp_path / "out" / path.name, as_version=4)))
     pids = [int(p) for p in printed.split("PIDS", 1)[1].split()[:2]]

@@ -25,6 +25,10 @@ def _group_size(name_or_group: Any) -> int:
         from torch.distributed.distributed_c10d import _resolve_process_group
 
         return _resolve_process_group(cast(Any, name_or_group)).size()  # a group name as the op carries it
+    if isinstance(name_or_group, torch.ScriptObject):  # c10d.allreduce_ (DDP's buckets, a new_group) boxes it
+        import torch.distributed as dist
+
+        return dist.ProcessGroup.unbox(name_or_group).size()
     return name_or_group.size()
 
 

@@ -28,7 +28,7 @@ from course_lib.gpt.layouts import (
     sync_tied_gradients,
     tied_table,
 )
-from course_lib.gpt.measure import CountSent, counted_flops, device_peak_flops, matmul_flops
+from course_lib.gpt.measure import counted_flops, device_peak_flops, matmul_flops
 from course_lib.gpt.model import (
     GPT,
     Embeddings,
@@ -65,7 +65,6 @@ __all__ = [
     "GPT",
     "LR",
     "CharTokenizer",
-    "CountSent",
     "Embeddings",
     "GPTConfig",
     "Head",

@@ -1,11 +1,9 @@
-"""What the capstone measures on a rank: FLOPs (counted and by formula), the matmul limit, bytes sent.
+"""What the capstone measures on a rank: FLOPs (counted and by formula), the matmul limit, a GPU's peak.
 
 - :func:`counted_flops`: torch's FlopCounterMode over a forward and backward, with the CPU's flash-attention
   kernels given the formula torch already uses for the GPU's;
 - :func:`matmul_flops`: the FLOP/s square matmuls get on this rank, now (the machine's limit here);
 - :func:`device_peak_flops`: a GPU's data-sheet fp32 peak, for MFU;
-- :class:`CountSent`: compose.CountBytes, also counting all-reduces called on the default or a `new_group`
-  group (DDP's buckets, the tied table's gradients): those reach the dispatcher as a boxed process group.
 """
 
 from __future__ import annotations
@@ -14,9 +12,6 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
-
-from course_lib.compose import CountBytes
 
 # fp32 (not TF32) dense peak from the data sheets, FLOP/s: what an fp32 run can reach
 FP32_PEAK = {"H100": 67e12, "H200": 67e12, "A100": 19.5e12, "L40S": 91.6e12, "A10": 31.2e12, "V100": 15.7e12}
@@ -82,17 +77,3 @@ def device_peak_flops(device: torch.device | str) -> float | None:
         return None
     name = torch.cuda.get_device_name(device)
     return next((peak for key, peak in FP32_PEAK.items() if key in name), None)
-
-
-class CountSent(CountBytes):
-    """compose.CountBytes, with all-reduces on a boxed process group counted too ("dp": data-parallel
-    gradients, or the tied table's gradients summed over the stages)."""
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func.namespace == "c10d" and func._opname == "allreduce_" and isinstance(args[1], torch.ScriptObject):
-            n = dist.ProcessGroup.unbox(args[1]).size()
-            self.ops["c10d.allreduce_"] += 1
-            self.bytes["dp"] += 2 * (n - 1) / n * sum(t.numel() * t.element_size() for t in args[0])
-            self.calls["dp"] += 1
-            return func(*args, **(kwargs or {}))
-        return super().__torch_dispatch__(func, types, args, kwargs)

@@ -96,8 +96,8 @@ def train_layout(layout: Layout, steps: int, global_batch: int = 16, lr: float =
     "sent": bytes this rank sent in the counted step by dimension, "held": memory.held_bytes after the run,
     "fingerprint": of the model and optimizer after `save_at` steps or after loading}.
     """
+    from course_lib.compose import CountBytes
     from course_lib.gpt.checkpoints import fingerprint, load, save
-    from course_lib.gpt.measure import CountSent
     from course_lib.memory import held_bytes
 
     config = config or default_config()
@@ -122,7 +122,7 @@ def train_layout(layout: Layout, steps: int, global_batch: int = 16, lr: float =
     parts = []
     for s in range(result["first_step"], steps):
         if s == COUNTED_STEP:
-            with CountSent() as counter:
+            with CountBytes() as counter:
                 parts.append(step(s))
             result["sent"] = counter.totals()
         else:
