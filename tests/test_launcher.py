@@ -366,3 +366,14 @@ def test_magic_puts_values_in_the_notebook_and_expands_variables(shell):
     shell.user_ns["scale"] = torch.tensor(2.0)
     shell.run_cell("%%torchrun -n $N --backend gloo --push scale --out y\ny = scale * rank\n")
     assert [v.item() for v in shell.user_ns["y"]] == [0.0, 2.0, 4.0]
+
+
+@pytest.mark.parametrize("content", ["", '{"message": {"message": "ValueError: bo'])
+def test_an_error_file_cut_short_reads_as_a_stopped_rank(tmp_path, content):
+    """torchrun may end a rank while it writes its error file: the run is still reported, not a JSONDecodeError."""
+    from course_lib.launch.failures import failure_from_error_file
+
+    path = tmp_path / "error.json"
+    path.write_text(content)
+    failure = failure_from_error_file(2, path, str(tmp_path / "cell.py"))
+    assert (failure.rank, failure.kind) == (2, "stopped"), failure
