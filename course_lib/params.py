@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from course_lib.launch.backend import LaunchError, resolve_backend
+from course_lib.launch.backend import LaunchError, backend_for, resolve_backend
 from course_lib.launch.spec import check_nproc
+
+__all__ = ["TRIED_ON_CPU", "ParameterError", "backend_for", "check"]
 
 TRIED_ON_CPU = range(1, 9)  # the world sizes every notebook is tried at on the CPU
 
@@ -22,7 +24,8 @@ def check(nproc: object, backend: object = "auto", works: Callable[[int], bool] 
     """NPROC as an int, or ParameterError naming the values that work and why.
 
     `works(n)` says whether the lesson runs on n ranks (None: any n); `why` is shown when it does not.
-    The backend is checked too: nccl needs a GPU per rank.
+    The backend is checked too: nccl needs a GPU per rank. A cell whose world size the notebook
+    derives (a partner for rank 0, a fixed grid) takes its backend from :func:`backend_for`.
     """
     try:
         n = check_nproc(nproc)

@@ -347,11 +347,16 @@ def test_bad_input_is_refused_at_once(shell, line, message):
     assert time.monotonic() - start < 2.0  # nothing was launched
 
 
-def test_more_ranks_than_gpus_is_refused(monkeypatch):
+def test_more_ranks_than_gpus_is_refused_for_nccl_and_gloo_for_auto(monkeypatch):
     monkeypatch.setattr(backend, "available_gpus", lambda: 2)
     with pytest.raises(LaunchError, match="4 ranks with nccl need 4 GPUs, this node has 2"):
         backend.resolve_backend("nccl", 4)
-    assert backend.resolve_backend("auto", 2) == "nccl"
+    assert [backend.resolve_backend("auto", n) for n in (1, 2, 3, 4)] == ["nccl", "nccl", "gloo", "gloo"]
+    assert [backend.backend_for(n, "nccl") for n in (2, 3)] == ["nccl", "gloo"]  # a notebook's derived sizes
+    assert backend.backend_for(2, "gloo") == "gloo"
+    assert "gloo: 3 ranks as CPU processes" in backend.describe("gloo", 3)
+    monkeypatch.setattr(backend, "available_gpus", lambda: 0)
+    assert backend.resolve_backend("auto", 1) == "gloo" and backend.describe("gloo", 2) == ""
 
 
 def test_out_naming_a_variable_a_rank_never_set(shell):

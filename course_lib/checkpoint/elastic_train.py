@@ -22,6 +22,7 @@ import torch.distributed as dist
 from course_lib.checkpoint.dcp import AppState, dcp_load, dcp_save
 from course_lib.checkpoint.integrity import latest_complete
 from course_lib.checkpoint.train import batch_for_step, make_optimizer, sharded_mlp, train_step
+from course_lib.launch.backend import NCCL_PROCESS_GROUP
 
 EVENTS = "events.jsonl"  # rank 0's log: one JSON object per line (start, step, pause)
 
@@ -35,7 +36,7 @@ def join_group(backend: str, timeout_s: float) -> None:
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", timeout=timedelta(seconds=timeout_s), device_id=device)
+        dist.init_process_group(NCCL_PROCESS_GROUP, timeout=timedelta(seconds=timeout_s), device_id=device)
     else:
         dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
 

@@ -45,7 +45,7 @@ def attach_comm_hook(ddp_model: DistributedDataParallel, name: str, powersgd_ran
         ddp_model.register_comm_hook(None, default_hooks.fp16_compress_hook)
         return None
     if name == "bf16":
-        native = torch.cuda.is_available() and dist.get_backend() == "nccl"
+        native = torch.cuda.is_available() and "nccl" in str(dist.get_backend())
         ddp_model.register_comm_hook(
             None, default_hooks.bf16_compress_hook if native else bf16_compress_hook_any_backend
         )

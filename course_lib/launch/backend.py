@@ -1,13 +1,17 @@
-"""The one place that turns a requested backend into the one the ranks use.
+"""The one rule that turns a requested backend into the one a run of N ranks uses.
 
-'auto' means nccl with one GPU per rank where CUDA GPUs exist, gloo on the CPU. The kernel calls
-:func:`resolve_backend` with the number of ranks per node, to refuse impossible requests before
-anything starts; a rank calls it without, for scripts run by plain torchrun.
+'auto' means nccl with one GPU per rank when the ranks fit on this node's GPUs, gloo on CPU
+processes otherwise (a laptop, or more ranks than GPUs). 'nccl' insists on one GPU per rank.
+The kernel calls :func:`resolve_backend` with the number of ranks per node before anything starts;
+a rank run by plain torchrun (a script saved with --save) calls it with its LOCAL_WORLD_SIZE.
+gloo ranks on a GPU node see no GPU (launch.processes.agent_env), so they behave as on a laptop.
 """
 
 from __future__ import annotations
 
 BACKENDS = ("auto", "gloo", "nccl")
+# One process group serves CPU and CUDA tensors under NCCL: gloo carries the CPU ones.
+NCCL_PROCESS_GROUP = "cpu:gloo,cuda:nccl"
 
 
 class LaunchError(ValueError):
@@ -24,17 +28,38 @@ def available_gpus() -> int:
 
 
 def resolve_backend(requested: str = "auto", nproc: int | None = None) -> str:
-    """'gloo' or 'nccl' for `requested`; LaunchError when it cannot work with `nproc` ranks per node."""
+    """'gloo' or 'nccl' for `requested` with `nproc` ranks per node (None: one); LaunchError if it cannot work."""
     if requested not in BACKENDS:
         raise LaunchError(f"unknown backend {requested!r}: use one of {', '.join(BACKENDS)}")
-    gpus = available_gpus() if requested in ("auto", "nccl") else 0
-    backend = ("nccl" if gpus else "gloo") if requested == "auto" else requested
+    if requested == "gloo":
+        return "gloo"
+    gpus, n = available_gpus(), 1 if nproc is None else nproc
+    if requested == "auto":
+        return "nccl" if 0 < n <= gpus else "gloo"
+    if gpus == 0:
+        raise LaunchError("--backend nccl needs CUDA GPUs and this machine has none: use --backend gloo")
+    if n > gpus:
+        raise LaunchError(
+            f"{n} ranks with nccl need {n} GPUs, this node has {gpus}: "
+            f"use -n {gpus} or less, or --backend auto (gloo on CPU processes when the ranks do not fit)"
+        )
+    return "nccl"
+
+
+def backend_for(nproc: int, requested: str = "auto") -> str:
+    """The backend of a cell of `nproc` ranks in a notebook run with BACKEND=`requested`.
+
+    A notebook's own world sizes (a partner for rank 0, a 4-rank grid) may exceed the GPUs that
+    NPROC fits: such a cell runs on CPU processes rather than ask nccl for GPUs that are not there.
+    """
+    return "gloo" if requested == "gloo" else resolve_backend("auto", nproc)
+
+
+def describe(backend: str, nproc: int) -> str:
+    """One line saying what a run got, on a machine with GPUs ('' without: there gloo is the only choice)."""
+    gpus = available_gpus()
+    if not gpus:
+        return ""
     if backend == "nccl":
-        if gpus == 0:
-            raise LaunchError("--backend nccl needs CUDA GPUs and this machine has none: use --backend gloo")
-        if nproc is not None and nproc > gpus:
-            raise LaunchError(
-                f"{nproc} ranks with nccl need {nproc} GPUs, this node has {gpus}: "
-                f"use -n {gpus} or less, or --backend gloo"
-            )
-    return backend
+        return f"backend nccl: {nproc} ranks, one GPU each ({gpus} on this node)\n"
+    return f"backend gloo: {nproc} ranks as CPU processes, GPUs hidden from them ({gpus} on this node)\n"

@@ -47,8 +47,14 @@ def torchrun_command(spec: RunSpec, run: RunDir) -> list[str]:
 
 
 def agent_env(spec: RunSpec) -> dict[str, str]:
-    """The kernel's environment, with the spec's extra variables and what the ranks need."""
-    env = {**os.environ, **spec.env}
+    """The kernel's environment, with the spec's extra variables and what the ranks need.
+
+    gloo ranks see no GPU: on a GPU node they run as on a laptop (FSDP2 and DeviceMesh would
+    otherwise follow the accelerator and move them onto GPUs). TF32 stays off in every rank.
+    """
+    hidden = {"CUDA_VISIBLE_DEVICES": ""} if spec.backend == "gloo" else {}
+    env = {**os.environ, **hidden, **spec.env}
+    env.pop("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", None)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // spec.nproc)))
     env["PYTHONUNBUFFERED"] = "1"  # output of a rank that is killed is not lost
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_IMPORT_ROOT), env.get("PYTHONPATH")]))

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from course_lib.launch.backend import resolve_backend
+from course_lib.launch.backend import NCCL_PROCESS_GROUP, resolve_backend
 
 
 @dataclass(frozen=True)
@@ -31,17 +31,20 @@ class RankContext:
 def init_distributed(backend: str = "auto", timeout_s: float = 300.0, seed: int | None = 0) -> RankContext:
     """Join the process group torchrun described in the environment.
 
-    NCCL ranks get one GPU each (cuda:LOCAL_RANK); gloo ranks run on the CPU.
-    `seed` seeds every RNG identically on all ranks (None leaves them alone);
-    use `seed + rank` in the cell when ranks should draw different numbers.
+    NCCL ranks get one GPU each (cuda:LOCAL_RANK) and a group that serves CPU tensors too
+    (gloo under NCCL_PROCESS_GROUP), with TF32 off so that float32 means float32 on every device;
+    gloo ranks run on the CPU. `seed` seeds every RNG identically on all ranks (None leaves them
+    alone); use `seed + rank` in the cell when ranks should draw different numbers.
     """
-    backend = resolve_backend(backend)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    backend = resolve_backend(backend, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     kwargs: dict[str, Any] = {}
     if backend == "nccl":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         kwargs["device_id"] = device  # binds the communicator eagerly; CPU ranks must not pass it
+        torch.backends.cuda.matmul.fp32_precision = "ieee"  # the course's tolerances are float32's
+        torch.backends.cudnn.fp32_precision = "ieee"
     else:
         device = torch.device("cpu")
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
@@ -52,7 +55,8 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0, seed: int 
         kwargs["store"] = dist.PrefixStore(f"attempt_{restart}", _agent_store(timeout_s))
         kwargs["rank"] = int(os.environ["RANK"])
         kwargs["world_size"] = int(os.environ["WORLD_SIZE"])
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+    group_backend = NCCL_PROCESS_GROUP if backend == "nccl" else backend
+    dist.init_process_group(group_backend, timeout=timedelta(seconds=timeout_s), **kwargs)
     if seed is not None:
         seed_everything(seed)
     return RankContext(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
@@ -60,7 +64,7 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0, seed: int 
 
 def rank_device() -> torch.device:
     """This rank's device: its GPU under NCCL (set by init_distributed), else the CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+    if dist.is_initialized() and "nccl" in str(dist.get_backend()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -40,7 +40,7 @@ def message_group() -> dist.ProcessGroup | None:
     its tag instead. Under NCCL the gloo group is created on the first call, which every
     rank must therefore make.
     """
-    if "gloo" in str(dist.get_backend()):
+    if dist.get_backend() == "gloo":
         return None
     if "gloo" not in _MESSAGE_GROUPS:
         _MESSAGE_GROUPS["gloo"] = dist.new_group(backend="gloo")

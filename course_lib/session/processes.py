@@ -100,12 +100,12 @@ def start_controller(folder: SessionDir) -> subprocess.Popen:
     return _start(cmd, folder.controller_log)
 
 
-def start_agent(folder: SessionDir, nproc: int) -> subprocess.Popen:
-    """torchrun with one course_lib.session.engine per rank."""
+def start_agent(folder: SessionDir, nproc: int, backend: str) -> subprocess.Popen:
+    """torchrun with one course_lib.session.engine per rank (gloo ranks see no GPU: agent_env)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     cmd += ["--max-restarts", "0", "--monitor-interval", "0.1"]
     cmd += ["--module", "course_lib.session.engine", str(folder.path)]
-    env = agent_env(RunSpec(nproc=nproc))
+    env = agent_env(RunSpec(nproc=nproc, backend=backend))
     env["IPP_NONINTERACTIVE"] = "1"  # no progress widgets inside the engines
     return _start(cmd, folder.agent_log, env)
 

@@ -111,7 +111,7 @@ class Session:
         deadline = begin + START_TIMEOUT_S
         # Both at once: the engines import torch while the controller starts, then wait for its file.
         self.procs.append(processes.start_controller(self.folder))
-        self.procs.append(processes.start_agent(self.folder, self.settings.nproc))
+        self.procs.append(processes.start_agent(self.folder, self.settings.nproc, self.settings.backend))
         while self.client is None or len(self.client.ids) < self.settings.nproc:
             if self.dead() or time.monotonic() > deadline:
                 why = self.dead() or f"not every engine registered within {START_TIMEOUT_S:g} s"
