@@ -8,7 +8,6 @@ parameters and compares with the stored outputs. The papermill runs with NPROC=3
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -17,10 +16,9 @@ import pytest
 import torch
 
 from course_lib import params
-from course_lib.launch import runner
+from course_lib.launch import probe, runner
 
 NOTEBOOKS = runner.find_notebooks([])
-CHECK_WITHIN = 3  # params.check( must be in one of a notebook's first code cells
 REFUSAL_S = 5.0  # a warm kernel refuses a bad NPROC in this many seconds at most
 
 
@@ -103,54 +101,14 @@ def test_runner_leaves_no_session_behind(tmp_path):
 # ---- every notebook refuses a bad NPROC in its first cells, at once ---------------------------
 
 
-def setup_cells(nb) -> tuple[str, list[str]]:
-    """(the parameters cell, the code cells after it up to the first `params.check(` call)."""
-    code = [c for c in nb.cells if c.cell_type == "code"]
-    first = next(i for i, c in enumerate(code) if "parameters" in c.metadata.get("tags", []))
-    check = next((i for i, c in enumerate(code[:CHECK_WITHIN]) if "params.check(" in c.source), None)
-    assert check is not None and check > first, (
-        f"none of the first {CHECK_WITHIN} code cells calls params.check(NPROC, BACKEND, ...) after the parameters"
-    )
-    return code[first].source, [c.source for c in code[first + 1 : check + 1]]
-
-
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_parameters_are_checked_in_the_first_cells(path):
-    setup_cells(nbformat.read(path, as_version=4))
-
-
-class Kernel:
-    """One IPython kernel (as nbval and papermill start it, over IPC sockets) that runs code and reports errors."""
-
-    def __init__(self, cwd, env, ipc_path):
-        from jupyter_client import KernelManager
-
-        self.km = KernelManager(kernel_name="python3", transport="ipc", ip=str(ipc_path))
-        self.km.start_kernel(cwd=str(cwd), env=env)
-        self.kc = self.km.client()
-        self.kc.start_channels()
-        self.kc.wait_for_ready(timeout=120)
-
-    def run(self, code: str) -> tuple[str, str, float]:
-        """(exception name or "", its message, seconds) for one cell."""
-        start = time.monotonic()
-        reply = self.kc.execute_interactive(code, timeout=120, output_hook=lambda msg: None)
-        content = reply["content"]
-        seconds = time.monotonic() - start
-        if content["status"] == "ok":
-            return "", "", seconds
-        return content.get("ename", "?"), content.get("evalue", ""), seconds
-
-    def close(self):
-        self.kc.stop_channels()
-        self.km.shutdown_kernel(now=True)
+    probe.setup_cells(nbformat.read(path, as_version=4))
 
 
 @pytest.fixture
 def kernel(tmp_path):
-    env = {**os.environ, "COURSE_HEADLESS": "1", "TMPDIR": str(tmp_path)}  # temp dirs the cells make go here
-    env.pop("PYTEST_CURRENT_TEST", None)
-    k = Kernel(runner.NOTEBOOKS, env, tmp_path / "kernel-ipc")
+    k = probe.Kernel(runner.NOTEBOOKS, probe.kernel_env(tmp_path), tmp_path / "kernel-ipc")
     yield k
     k.close()
 
@@ -158,26 +116,13 @@ def kernel(tmp_path):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_every_nproc_from_1_to_8_runs_or_is_refused_at_once(path, kernel):
     """The setup cells either accept NPROC or raise ParameterError naming the values that work, in seconds."""
-    parameters, cells = setup_cells(nbformat.read(path, as_version=4))
-
-    def setup(nproc=None, backend=None) -> tuple[str, str, float]:
-        """Run the parameters cell, papermill's injection of the values given, and the setup cells."""
-        injected = "".join(f"\n{k} = {v!r}" for k, v in (("NPROC", nproc), ("BACKEND", backend)) if v is not None)
-        name, message, seconds = kernel.run(parameters + injected)
-        assert name == "", f"the parameters cell raised {name}: {message}"
-        for source in cells:
-            name, message, cell_seconds = kernel.run(source)
-            seconds += cell_seconds
-            if name:
-                break
-        return name, message, seconds
-
-    name, message, _ = setup()  # the notebook's own parameters first: they work, and imports are warm after
+    setup = probe.Setup(nbformat.read(path, as_version=4), kernel)
+    name, message, _ = setup.run()  # the notebook's own parameters first: they work, and imports are warm after
     assert name == "", f"the notebook's default parameters fail: {name}: {message}"
 
     works, refused, problems = [], {}, []
     for nproc in params.TRIED_ON_CPU:
-        name, message, seconds = setup(nproc, "auto")
+        name, message, seconds = setup.run(NPROC=nproc, BACKEND="auto")
         if not name:
             works.append(nproc)
             continue
@@ -194,7 +139,7 @@ def test_every_nproc_from_1_to_8_runs_or_is_refused_at_once(path, kernel):
     assert problems == [], "\n".join(problems)
 
     if not torch.cuda.is_available():  # nccl needs a GPU per rank: refused at once on this machine
-        name, message, seconds = setup(works[0], "nccl")
+        name, message, seconds = setup.run(NPROC=works[0], BACKEND="nccl")
         assert name == "ParameterError", f"BACKEND='nccl' on a machine without GPUs: {name or 'accepted'} {message}"
         assert "nccl" in message and seconds <= REFUSAL_S, (message, seconds)
 

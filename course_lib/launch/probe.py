@@ -1,0 +1,81 @@
+"""A notebook's first cells on their own, in a kernel: which NPROC it accepts, in seconds.
+
+Every notebook checks its parameters in its first code cells (`params.check(NPROC, BACKEND, ...)`),
+so running those cells alone answers "does it run with NPROC = n?" without starting a rank.
+The runner asks this to pick each notebook's NPROC on a GPU node; the tests ask it for every NPROC.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+CHECK_WITHIN = 3  # params.check( must be in one of a notebook's first code cells
+
+
+def setup_cells(nb: Any) -> tuple[str, list[str]]:
+    """(the parameters cell, the code cells after it up to the first `params.check(` call) of an nbformat notebook."""
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    first = next(i for i, c in enumerate(code) if "parameters" in c.metadata.get("tags", []))
+    check = next((i for i, c in enumerate(code[:CHECK_WITHIN]) if "params.check(" in c.source), None)
+    if check is None or check <= first:
+        raise ValueError(
+            f"none of the first {CHECK_WITHIN} code cells calls params.check(NPROC, BACKEND, ...) after the parameters"
+        )
+    return code[first].source, [c.source for c in code[first + 1 : check + 1]]
+
+
+class Kernel:
+    """One IPython kernel (as papermill starts it, over IPC sockets) that runs code and reports errors."""
+
+    def __init__(self, cwd: Path, env: dict[str, str], ipc_path: Path) -> None:
+        from jupyter_client import KernelManager
+
+        self.km = KernelManager(kernel_name="python3", transport="ipc", ip=str(ipc_path))
+        self.km.start_kernel(cwd=str(cwd), env=env)
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=120)
+
+    def run(self, code: str, timeout: float = 120) -> tuple[str, str, float]:
+        """(exception name or "", its message, seconds) for one cell."""
+        start = time.monotonic()
+        reply = self.kc.execute_interactive(code, timeout=timeout, output_hook=lambda msg: None)
+        content = reply["content"]
+        seconds = time.monotonic() - start
+        if content["status"] == "ok":
+            return "", "", seconds
+        return content.get("ename", "?"), content.get("evalue", ""), seconds
+
+    def close(self) -> None:
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=True)
+
+
+def kernel_env(tmp: Path) -> dict[str, str]:
+    env = {**os.environ, "COURSE_HEADLESS": "1", "TMPDIR": str(tmp)}  # temp dirs the cells make go here
+    env.pop("PYTEST_CURRENT_TEST", None)
+    return env
+
+
+class Setup:
+    """A notebook's parameters and setup cells, run in one kernel with any parameters."""
+
+    def __init__(self, nb: Any, kernel: Kernel) -> None:
+        self.parameters, self.cells = setup_cells(nb)
+        self.kernel = kernel
+
+    def run(self, **values: Any) -> tuple[str, str, float]:
+        """(exception name or "", message, seconds) of the parameters cell, `values` injected, then the setup."""
+        injected = "".join(f"\n{k} = {v!r}" for k, v in values.items())
+        name, message, seconds = self.kernel.run(self.parameters + injected)
+        if name:
+            raise RuntimeError(f"the parameters cell raised {name}: {message}")
+        for source in self.cells:
+            name, message, cell_seconds = self.kernel.run(source)
+            seconds += cell_seconds
+            if name:
+                break
+        return name, message, seconds
