@@ -1,13 +1,14 @@
-"""The notebooks: stored outputs clean, parameters checked at once, NPROC=3 under papermill, the runner's report.
+"""The notebooks: stored outputs clean, parameters checked at once, other NPROCs under papermill, the runner's report.
 
 nbval (``make test``, see the Makefile) separately re-executes the notebooks at their default
-parameters and compares with the stored outputs. The papermill runs with NPROC=3 are marked
-`notebook` and run with ``make test-ranks``.
+parameters and compares with the stored outputs. The papermill runs at other NPROCs are marked
+`notebook` and run with ``make test-ranks`` (TEST_NPROCS=1,2,4,8 for the full sweep).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -30,13 +31,27 @@ def outputs_text(nb) -> list[str]:
     return texts
 
 
+# `make test-ranks` runs every notebook end to end at each NPROC of TEST_NPROCS (default 1 and 4; CI's choice):
+# it runs there, its own assertions holding at that world size, or its first cells refuse it at once.
+RANK_COUNTS = [int(n) for n in os.environ.get("TEST_NPROCS", "1,4").split(",")]
+
+
 @pytest.mark.notebook
+@pytest.mark.parametrize("nproc", RANK_COUNTS)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs_with_three_ranks(path, tmp_path):
-    assert runner.main([str(path), "-p", "NPROC", "3", "--out", str(tmp_path), "--no-progress"]) == 0
+def test_notebook_runs_at_nproc_or_refuses_it_at_once(path, nproc, tmp_path):
+    kernel = probe.Kernel(runner.NOTEBOOKS, probe.kernel_env(tmp_path), tmp_path / "kernel-ipc")
+    try:
+        name, message, _ = probe.Setup(nbformat.read(path, as_version=4), kernel).run(NPROC=nproc)
+    finally:
+        kernel.close()
+    if name:
+        assert name == "ParameterError" and "Values from 1 to 8 that work" in message, (name, message)
+        return  # refused in its first cells (how fast: test_every_nproc_from_1_to_8_runs_or_is_refused_at_once)
+    assert runner.main([str(path), "-p", "NPROC", str(nproc), "--out", str(tmp_path), "--no-progress"]) == 0
     executed = nbformat.read(tmp_path / path.name, as_version=4)
     injected = [c.source for c in executed.cells if "injected-parameters" in c.metadata.get("tags", [])]
-    assert injected and "NPROC = 3" in injected[0], "papermill did not inject NPROC = 3"
+    assert injected and f"NPROC = {nproc}" in injected[0], f"papermill did not inject NPROC = {nproc}"
     warnings = [t for t in outputs_text(executed) if "Warning" in t or "deprecated" in t]
     assert warnings == [], f"outputs carry warnings: {warnings[:3]}"
 
