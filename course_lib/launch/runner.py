@@ -3,15 +3,21 @@
     python -m course_lib.launch.runner                     # every notebook -> build/course/
     python -m course_lib.launch.runner 03 -p NPROC 4       # one notebook (name prefix), 4 ranks
     python -m course_lib.launch.runner -p BACKEND nccl -p NPROC 8   # a GPU node
+    python -m course_lib.launch.runner --nproc-up-to 8 -p BACKEND nccl   # each notebook at its largest NPROC <= 8
     python -m course_lib.launch.runner --inplace           # refresh the stored outputs nbval compares
 
-Each notebook runs with notebooks/ as its working directory. The exit status is
-non-zero when any notebook fails; the table names the failing cell and rank.
+Each notebook runs with notebooks/ as its working directory. With --nproc-up-to G, each notebook
+runs at the largest NPROC from G down to 1 that its own parameter check accepts (its setup cells
+run alone in a kernel first, see course_lib.launch.probe); a notebook that accepts none is skipped,
+with its reason. The table gives each notebook's NPROC and backend, and names the failing cell and
+rank. The exit status is non-zero when any notebook fails (a skipped one does not fail the run).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import contextlib
 import os
 import re
 import sys
@@ -24,6 +30,8 @@ from typing import Any
 
 import nbformat
 
+from course_lib.launch import probe
+
 ROOT = Path(__file__).resolve().parents[2]  # the repository (this file is course_lib/launch/runner.py)
 NOTEBOOKS = ROOT / "notebooks"
 DEFAULT_OUT = ROOT / "build" / "course"
@@ -33,9 +41,15 @@ RANK_ERRORS = ("RankFailedError", "RunTimeoutError")  # the launcher's errors, r
 @dataclass
 class Outcome:
     notebook: str
-    ok: bool
+    status: str  # "ok", "FAILED" or "skipped"
     seconds: float
-    detail: str = ""
+    detail: str = ""  # the failing cell and rank, or why the notebook was skipped
+    nproc: str = "-"  # the NPROC it ran with, as the table shows it
+    backend: str = "-"  # the backend of its NPROC-rank cells
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
 
 
 def find_notebooks(selectors: list[str]) -> list[Path]:
@@ -65,6 +79,70 @@ def parse_value(text: str) -> int | float | bool | str:
         except ValueError:
             pass
     return {"True": True, "False": False}.get(text, text)
+
+
+def notebook_defaults(path: Path) -> dict[str, Any]:
+    """The literal values that the notebook's `parameters` cell assigns (those papermill overrides)."""
+    nb = nbformat.read(path, as_version=4)
+    cell = next((c for c in nb.cells if c.cell_type == "code" and "parameters" in c.metadata.get("tags", [])), None)
+    try:
+        body = ast.parse(cell.source).body if cell is not None else []
+    except SyntaxError:  # a magic in the parameters cell
+        return {}
+    values = {}
+    for node in body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            with contextlib.suppress(ValueError, TypeError, SyntaxError):  # not a literal
+                values[node.targets[0].id] = ast.literal_eval(node.value)
+    return values
+
+
+def planned_backend(nproc: object, backend: object) -> str:
+    """The backend of the NPROC-rank cells (the launcher's rule); the request itself where that refuses it."""
+    from course_lib.launch.backend import LaunchError, resolve_backend
+
+    try:
+        return resolve_backend(str(backend), int(str(nproc)))
+    except (LaunchError, ValueError):
+        return str(backend)
+
+
+class ProbeError(Exception):
+    """A notebook's setup cells failed otherwise than by refusing NPROC, or it has none to ask."""
+
+
+def probe_kernel(cwd: Path, tmp: Path) -> probe.Kernel:
+    """A kernel in the notebook's directory, for its parameters and setup cells alone."""
+    return probe.Kernel(cwd, probe.kernel_env(tmp), tmp / "kernel-ipc")
+
+
+def choose_nproc(path: Path, up_to: int, parameters: dict) -> tuple[int | None, str]:
+    """(the largest NPROC from `up_to` down to 1 that the notebook accepts with `parameters`, "").
+
+    The notebook's own check decides (`params.check` in its setup cells). (None, the refusal of
+    NPROC=1: a ParameterError message naming the values that work) when it accepts none.
+    """
+    nb = nbformat.read(path, as_version=4)
+    try:
+        probe.setup_cells(nb)
+    except (ValueError, StopIteration) as error:  # StopIteration: no cell tagged parameters
+        raise ProbeError(f"cannot choose NPROC: {error or 'no cell tagged parameters'}") from None
+    with tempfile.TemporaryDirectory(prefix="course-probe-") as tmp:
+        kernel = probe_kernel(path.parent, Path(tmp))
+        try:
+            setup, refusal = probe.Setup(nb, kernel), ""
+            for nproc in range(up_to, 0, -1):
+                name, message, _ = setup.run(**{**parameters, "NPROC": nproc})
+                if not name:
+                    return nproc, ""
+                if name != "ParameterError":
+                    raise ProbeError(f"setup cells with NPROC={nproc}: {name}: {message}"[:200])
+                refusal = message
+            return None, refusal
+        except RuntimeError as error:  # the parameters cell itself raised
+            raise ProbeError(str(error)[:200]) from None
+        finally:
+            kernel.close()
 
 
 def describe_failure(output_nb: Path, error: BaseException) -> str:
@@ -128,19 +206,48 @@ def run_notebook(path: Path, output: Path, parameters: dict, timeout: float, pro
             kernel_manager_class=ipc_kernel_manager(),  # passed on to nbclient's NotebookClient
         )
     except pm.PapermillExecutionError as error:
-        return Outcome(path.stem, False, time.monotonic() - start, describe_failure(output, error))
+        return Outcome(path.stem, "FAILED", time.monotonic() - start, describe_failure(output, error))
     except Exception as error:  # kernel died, timeout, bad notebook: still one row of the table
-        return Outcome(path.stem, False, time.monotonic() - start, f"{type(error).__name__}: {error}"[:120])
-    return Outcome(path.stem, True, time.monotonic() - start)
+        return Outcome(path.stem, "FAILED", time.monotonic() - start, f"{type(error).__name__}: {error}"[:120])
+    return Outcome(path.stem, "ok", time.monotonic() - start)
 
 
 def print_table(outcomes: list[Outcome]) -> None:
     width = max([len("notebook")] + [len(o.notebook) for o in outcomes])
-    print(f"\n{'notebook':<{width}}  status  seconds  failure")
+    backend_width = max([len("backend")] + [len(o.backend) for o in outcomes])
+    print(f"\n{'notebook':<{width}}  status   NPROC  {'backend':<{backend_width}}  seconds  failure")
     for o in outcomes:
-        print(f"{o.notebook:<{width}}  {'ok' if o.ok else 'FAILED':<6}  {o.seconds:7.1f}  {o.detail}")
-    failed = sum(not o.ok for o in outcomes)
-    print(f"\n{len(outcomes) - failed} passed, {failed} failed")
+        print(
+            f"{o.notebook:<{width}}  {o.status:<7}  {o.nproc:>5}  {o.backend:<{backend_width}}  "
+            f"{o.seconds:7.1f}  {o.detail}"
+        )
+    failed = sum(o.status == "FAILED" for o in outcomes)
+    skipped = sum(o.status == "skipped" for o in outcomes)
+    print(f"\n{len(outcomes) - failed - skipped} passed, {failed} failed" + (f", {skipped} skipped" if skipped else ""))
+
+
+def run_one(path: Path, output: Path, parameters: dict, args: argparse.Namespace) -> Outcome:
+    """One notebook: its NPROC chosen (with --nproc-up-to), then executed; one row of the table."""
+    start = time.monotonic()
+    if args.nproc_up_to is not None:
+        try:
+            nproc, refusal = choose_nproc(path, args.nproc_up_to, parameters)
+        except Exception as error:  # ProbeError, a kernel that did not start or answer
+            detail = str(error) if isinstance(error, ProbeError) else f"{type(error).__name__}: {error}"[:120]
+            return Outcome(path.stem, "FAILED", time.monotonic() - start, detail)
+        if nproc is None:
+            print(f"  skipped: it accepts no NPROC from 1 to {args.nproc_up_to}", flush=True)
+            return Outcome(path.stem, "skipped", time.monotonic() - start, refusal)
+        parameters = {**parameters, "NPROC": nproc}
+        print(f"  NPROC {nproc}: the largest from {args.nproc_up_to} down to 1 that it accepts", flush=True)
+    outcome = run_notebook(path, output, parameters, args.timeout, not args.no_progress)
+    outcome.seconds = time.monotonic() - start  # the probe's seconds too
+    values = {**notebook_defaults(path), **parameters}
+    if "NPROC" in values:
+        outcome.nproc = str(values["NPROC"])
+        if "BACKEND" in values:
+            outcome.backend = planned_backend(values["NPROC"], values["BACKEND"])
+    return outcome
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,13 +265,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--inplace", action="store_true", help="write the executed notebooks over the sources (refresh stored outputs)"
     )
+    parser.add_argument(
+        "--nproc-up-to",
+        type=int,
+        metavar="G",
+        help="run each notebook at the largest NPROC from G down to 1 that its parameter check accepts with the "
+        "other -p values; skip (with its reason) a notebook that accepts none. On a GPU node: G = its GPUs",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no per-cell progress bars")
     args = parser.parse_args(argv)
     os.environ["COURSE_HEADLESS"] = "1"  # explorers draw their default view (see course_lib.viz)
 
     parameters = {name: parse_value(value) for name, value in args.parameter}
-    if args.inplace and parameters:
-        parser.error("--inplace stores the reference outputs, which use the default parameters: drop -p")
+    if args.inplace and (parameters or args.nproc_up_to is not None):
+        parser.error("--inplace stores the reference outputs, which use the default parameters: drop -p, --nproc-up-to")
+    if args.nproc_up_to is not None and args.nproc_up_to < 1:
+        parser.error(f"--nproc-up-to {args.nproc_up_to}: give at least 1")
+    if args.nproc_up_to is not None and "NPROC" in parameters:
+        parser.error("--nproc-up-to chooses NPROC per notebook: drop -p NPROC, or drop --nproc-up-to to force it")
     notebooks = find_notebooks(args.notebooks)
     args.out.mkdir(parents=True, exist_ok=True)
     outcomes = []
@@ -173,17 +291,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.inplace:
             with tempfile.TemporaryDirectory() as tmp:
                 output = Path(tmp) / path.name
-                outcome = run_notebook(path, output, parameters, args.timeout, not args.no_progress)
+                outcome = run_one(path, output, parameters, args)
                 if outcome.ok:
                     nb = nbformat.read(output, as_version=4)
                     strip_run_metadata(nb)
                     nbformat.write(nb, path)
         else:
-            output = args.out / path.name
-            outcome = run_notebook(path, output, parameters, args.timeout, not args.no_progress)
+            outcome = run_one(path, args.out / path.name, parameters, args)
         outcomes.append(outcome)
     print_table(outcomes)
-    return 0 if all(o.ok for o in outcomes) else 1
+    return 1 if any(o.status == "FAILED" for o in outcomes) else 0
 
 
 if __name__ == "__main__":
