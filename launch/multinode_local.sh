@@ -18,6 +18,7 @@ else
 fi
 HALF=$((GPUS / 2))
 export OMP_NUM_THREADS=1 TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='[rank${rank}]: '
+AGENTS=()
 for node in 0 1; do
     if [ "$GPUS" -gt 0 ]; then
         NODE_GPUS=""  # stays "" with one GPU: neither node takes it
@@ -26,5 +27,8 @@ for node in 0 1; do
     fi
     .venv/bin/torchrun --nnodes 2 --nproc-per-node 2 --rdzv-id local-rehearsal --rdzv-backend c10d \
         --rdzv-endpoint "127.0.0.1:$PORT" --tee 3 "$SCRIPT" &
+    AGENTS+=($!)
 done
-wait
+STATUS=0
+for pid in "${AGENTS[@]}"; do wait "$pid" || STATUS=$?; done  # a failing node fails the rehearsal
+exit "$STATUS"

@@ -41,6 +41,8 @@ elif name == "scontrol":
     print("node001\\nnode002")
 elif name == "make" and "--question" in sys.argv:
     sys.exit(int(os.environ.get("FAKE_STAMP_STALE", "0")))
+elif name == "torchrun" and os.environ.get("FAKE_FAIL_VISIBLE") == os.environ.get("CUDA_VISIBLE_DEVICES"):
+    sys.exit(3)  # this "node" fails
 """
 
 
@@ -223,6 +225,11 @@ def test_multinode_local_nodes_do_not_share_gpus(sandbox, gpus, visible, expecte
         e for e in expected if e is not None
     ]
     assert sum(a["env"]["CUDA_VISIBLE_DEVICES"] is None for a in agents) == expected.count(None)
+
+
+def test_multinode_local_fails_when_a_node_fails(sandbox):
+    rc, calls, err = sandbox.run("launch/multinode_local.sh", "job.py", FAKE_GPUS="4", FAKE_FAIL_VISIBLE="2,3")
+    assert rc == 3 and len([c for c in calls if c["prog"] == "torchrun"]) == 2, (rc, err)
 
 
 # ---- the runner: each notebook at the largest NPROC it accepts up to G ------------------------------
