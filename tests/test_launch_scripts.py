@@ -41,7 +41,7 @@ elif name == "scontrol":
     print("node001\\nnode002")
 elif name == "make" and "--question" in sys.argv:
     sys.exit(int(os.environ.get("FAKE_STAMP_STALE", "0")))
-elif name == "torchrun" and os.environ.get("FAKE_FAIL_VISIBLE") == os.environ.get("CUDA_VISIBLE_DEVICES"):
+elif name == "torchrun" and os.environ.get("FAKE_FAIL_VISIBLE", "-") == os.environ.get("CUDA_VISIBLE_DEVICES"):
     sys.exit(3)  # this "node" fails
 """
 
