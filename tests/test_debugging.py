@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import runpy
 import statistics
+import time
 from pathlib import Path
 
 import pytest
@@ -338,6 +339,28 @@ def test_py_spy_dumps_parse_into_frames_and_variables():
     from course_lib.debugging.stacks import _ANSI
 
     assert debugging.describe(debugging.main_thread(_ANSI.sub("", colored))) == "f (cell line 3)"
+
+
+def _main_thread_dump(state: str, line: int) -> str:
+    return f'Thread 1 ({state}): "MainThread"\n    train (cell.py:{line})\n'
+
+
+def test_settled_stacks_takes_a_spinning_rank_as_stuck_only_when_its_frames_stay_still(monkeypatch):
+    from course_lib.debugging import hang
+
+    lines = iter(range(10**6))  # a rank that moves: a new line at every dump
+    dumps = {0: lambda: _main_thread_dump("active", 18), 1: lambda: _main_thread_dump("idle", 9)}
+    monkeypatch.setattr(hang, "dump_stack", lambda pid: dumps[pid]())
+    pids = {0: 0, 1: 1}
+    with pytest.raises(TimeoutError):  # gloo's rule: every rank idle
+        hang.settled_stacks(pids, time.monotonic() + 0.5, pause_s=0.05)
+    begin = time.monotonic()  # NCCL's: a running rank whose stack stayed the same for still_s
+    stacks, rounds = hang.settled_stacks(pids, begin + 10, pause_s=0.05, still_s=0.3)
+    assert time.monotonic() - begin >= 0.3 and rounds >= 2
+    assert (stacks[0].idle, stacks[0].frames[0].line, stacks[1].idle) == (False, 18, True)
+    dumps[0] = lambda: _main_thread_dump("active", next(lines))
+    with pytest.raises(TimeoutError):
+        hang.settled_stacks(pids, time.monotonic() + 1.0, pause_s=0.05, still_s=0.3)
 
 
 def test_debug_variable_lines_are_filtered_and_sanitized():

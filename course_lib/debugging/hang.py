@@ -3,7 +3,8 @@
 The program under diagnosis calls :func:`arm_for_diagnosis` on every rank first: it leaves the rank's pid
 in a file and arms a thread that dumps the flight recorder on request. :func:`diagnose_hang` (kernel side)
 runs it, dumps every rank's stack with py-spy until two rounds in a row agree (idle threads, frames that
-did not move: the ranks are stuck, not slow), asks for the flight-recorder dumps, then ends the job as an
+did not move: the ranks are stuck, not slow; under NCCL a rank whose host waits for its GPU spins, and counts
+as stuck once its frames have not moved for 3 s), asks for the flight-recorder dumps, then ends the job as an
 interrupt would (every process of the run, by recorded pid and process group) and checks that none is left.
 """
 
@@ -46,15 +47,28 @@ class _Diagnosed(Exception):
     """Raised from the output callback once the evidence is in: the launcher then ends every process."""
 
 
-def settled_stacks(pids: dict[int, int], deadline: float, pause_s: float = 0.5) -> tuple[dict[int, ThreadStack], int]:
-    """Dump every rank's main thread until two rounds agree and every rank is idle; (stacks, rounds)."""
+def settled_stacks(
+    pids: dict[int, int], deadline: float, pause_s: float = 0.5, still_s: float | None = None
+) -> tuple[dict[int, ThreadStack], int]:
+    """Dump every rank's main thread until two rounds agree and every rank is idle; (stacks, rounds).
+
+    With `still_s`, a rank that is not idle counts too once its stack has not moved for `still_s` seconds: a
+    rank whose host waits for a GPU spins (CUDA's default while a process has fewer contexts than cores), so
+    py-spy sees it running, but its frames stay where they are.
+    """
     previous: dict[int, ThreadStack] | None = None
+    since: dict[int, float] = {}  # when each rank's current stack was first seen
     rounds = 0
     while True:
+        now = time.monotonic()
         stacks = {rank: main_thread(dump_stack(pid)) for rank, pid in sorted(pids.items())}
         rounds += 1
-        idle = all(s.idle for s in stacks.values())
-        if previous is not None and idle and all(stacks[r].shape() == previous[r].shape() for r in stacks):
+        for r, stack in stacks.items():
+            if previous is None or stack.shape() != previous[r].shape():
+                since[r] = now
+        agree = previous is not None and all(stacks[r].shape() == previous[r].shape() for r in stacks)
+        still = all(s.idle or (still_s is not None and now - since[r] >= still_s) for r, s in stacks.items())
+        if agree and still:
             return stacks, rounds
         if time.monotonic() > deadline:
             raise TimeoutError(f"the ranks' stacks still change after {rounds} dumps: slow, not stuck?")
@@ -85,14 +99,19 @@ def diagnose_hang(
     """Run `body` (which calls ``arm_for_diagnosis(DIAGNOSIS_DIR)`` first, then hangs) and diagnose it.
 
     Raises RuntimeError if the program finishes, the launcher's errors if a rank fails instead of
-    hanging, TimeoutError if the stacks never settle within `timeout` seconds.
+    hanging, TimeoutError if the stacks never settle within 80% of `timeout` seconds.
     """
     import psutil
 
     from course_lib.launch import launch
+    from course_lib.launch.backend import backend_for
 
     directory = Path(tempfile.mkdtemp(prefix="hang-diagnosis-"))
-    deadline = time.monotonic() + timeout
+    # The stacks must settle well before the process-group timeout (the run's timeout less 10 s), at which NCCL's
+    # watchdog ends a stuck collective, and its process with it.
+    deadline = time.monotonic() + 0.8 * timeout
+    # Under NCCL a rank waiting for its all-reduce spins in the CUDA driver: still for 3 s, not idle, means stuck.
+    still_s = 3.0 if backend_for(nproc, backend) == "nccl" else None
     pids: dict[int, int] = {}
     found: dict[str, Any] = {}
     output: list[str] = []
@@ -104,7 +123,7 @@ def diagnose_hang(
         if len(pids) < nproc or found:
             return
         found["run_dir"] = psutil.Process(pids[0]).cmdline()[-1]  # the worker's argument: the run's folder
-        found["stacks"], found["rounds"] = settled_stacks(pids, deadline)
+        found["stacks"], found["rounds"] = settled_stacks(pids, deadline, still_s=still_s)
         (directory / "dump").touch()
         while len(list(directory.glob("rank_*"))) < nproc:
             if time.monotonic() > deadline:
