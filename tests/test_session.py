@@ -2,12 +2,15 @@
 
 One kernel holds one 2-rank gloo session that the tests share in file order (start-up is the slow
 part); the failure tests use a 3 s process-group timeout. A second kernel checks that two sessions
-do not collide and that killing a kernel leaves none of its processes. Processes are counted by the
-pids the session recorded, never by name.
+do not collide and that its shutdown leaves none of its processes. Leftovers are counted as `ps`
+shows them, not only by the pids the session recorded: every process whose command line names the
+kernel's temporary folder (its TMPDIR holds each session folder and `%%torchrun` run directory), and
+every process in the session (setsid) of one that did, such as what a cell starts on a rank.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -21,6 +24,12 @@ import pytest
 pytestmark = pytest.mark.timeout(240)
 
 TIMEOUT_S = 3  # the sessions' process-group timeout here
+GRANDCHILD = (  # a process a rank starts (its command line names the kernel's TMPDIR)
+    "import subprocess, sys, tempfile\n"
+    "_child = subprocess.Popen(\n"
+    "    [sys.executable, '-c', 'import time; time.sleep(600)', tempfile.gettempdir() + '/{tag}']\n"
+    ")"
+)
 PIDS = (
     "from course_lib.session import session as _s\n"
     "print('PIDS', [p.pid for p in _s.current().procs] + list(_s.current().folder.rank_pids().values()))\n"
@@ -34,6 +43,7 @@ class Kernel:
     def __init__(self, tmp: Path) -> None:
         from jupyter_client import KernelManager
 
+        self.tmp = tmp  # the kernel's TMPDIR: its sessions' folders and %%torchrun runs are in it
         env = {**os.environ, "TMPDIR": str(tmp)}
         env.pop("PYTEST_CURRENT_TEST", None)
         self.km = KernelManager(kernel_name="python3", transport="ipc", ip=str(tmp / "kernel-ipc"))
@@ -97,12 +107,62 @@ def _gone_within(pids: list[int], seconds: float) -> list[int]:
     return _alive(pids)
 
 
+def _naming(folder: Path) -> dict[int, str]:
+    """{pid: command line} of every live process but this one whose command line names `folder` or a path in it."""
+    mark = re.compile(re.escape(str(folder)) + r"(/|\s|$)")
+    found = {}
+    for proc in psutil.process_iter(["pid"]):
+        with contextlib.suppress(psutil.Error):
+            line = " ".join(proc.cmdline())
+            if proc.pid != os.getpid() and mark.search(line) and proc.status() != psutil.STATUS_ZOMBIE:
+                found[proc.pid] = line
+    return found
+
+
+def _sessions(folder: Path) -> set[int]:
+    """The session ids of the processes _naming `folder` now (what they start stays in them)."""
+    sids = set()
+    for pid in _naming(folder):
+        with contextlib.suppress(OSError):
+            sids.add(os.getsid(pid))
+    return sids
+
+
+def _left(folder: Path, sids: set[int]) -> dict[int, str]:
+    """{pid: command line} of the processes _naming `folder` or in one of the sessions `sids`."""
+    found = _naming(folder)
+    for proc in psutil.process_iter(["pid"]):
+        with contextlib.suppress(psutil.Error, OSError):
+            if proc.pid != os.getpid() and os.getsid(proc.pid) in sids and proc.status() != psutil.STATUS_ZOMBIE:
+                found[proc.pid] = " ".join(proc.cmdline())
+    return found
+
+
+def _left_after(folder: Path, sids: set[int], seconds: float = 10) -> dict[int, str]:
+    """What is still _left after `seconds`, or {} as soon as nothing is."""
+    deadline = time.monotonic() + seconds
+    while _left(folder, sids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return _left(folder, sids)
+
+
+def _wait_for(predicate, seconds: float = 180) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
     k = Kernel(tmp_path_factory.mktemp("kernel"))
     yield k
     k.kc.stop_channels()
     k.km.shutdown_kernel(now=True)  # killed already by the last test
+    # After a failed test, end what it left (the tests have said so): nothing but this module's processes.
+    for pid in _naming(tmp_path_factory.getbasetemp()):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_bad_input_is_refused_at_once(kernel):
@@ -173,6 +233,10 @@ def test_two_kernels_do_not_collide_and_shutdown_leaves_nothing(kernel, tmp_path
         assert not error, error
         (pids_a, folder_a), (pids_b, folder_b) = kernel.session_pids(), other.session_pids()
         assert folder_a != folder_b and not set(pids_a) & set(pids_b)
+        assert not other.run("%%px\n" + GRANDCHILD.format(tag="child-of-a-rank"))[1]
+        _wait_for(lambda: sum("child-of-a-rank" in line for line in _naming(tmp_path).values()) == 2)
+        sids_b = _sessions(tmp_path)
+        assert len(_naming(tmp_path)) >= 4 + 2, _naming(tmp_path)  # controller, agent, 2 engines, their children
         for k, value in ((kernel, "a"), (other, "b")):
             k.run(f"%px v = {value!r} + str(rank)")
         assert kernel.run("%px print(v)")[0] == by_rank("a0", "a1")
@@ -180,6 +244,7 @@ def test_two_kernels_do_not_collide_and_shutdown_leaves_nothing(kernel, tmp_path
     finally:
         other.close()  # a kernel shut down as Jupyter does it: its session ends with it
     assert _gone_within(pids_b, 10) == []
+    assert _left_after(tmp_path, sids_b) == {}
     assert not folder_b.exists()
     assert kernel.run("%px print(v)")[0] == by_rank("a0", "a1")
 
@@ -204,18 +269,43 @@ def test_interrupt_stops_the_ranks_cell(kernel):
     out, error = kernel.run("%px print(z)")
     assert out == by_rank("5", "5"), (out, error)
     # Ranks that do not stop on SIGINT: the session is restarted, and the cell says so.
+    old, sids = _with_children(kernel)
     timer = threading.Timer(3, kernel.km.interrupt_kernel)
     timer.start()
     out, error = kernel.run("%%px\nimport signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(60)")
     timer.join()
     assert "the session was restarted (fresh ranks: earlier variables are gone)" in out + error, (out, error)
+    assert _left(old, sids) == {} and not old.exists()  # nothing of the old session, its ranks' children included
     _, error = kernel.run("%px z")
     assert "NameError" in error, error
     out, error = kernel.run("%px print(rank)")
     assert out == by_rank("0", "1"), (out, error)
 
 
+def _with_children(kernel: Kernel) -> tuple[Path, set[int]]:
+    """Each rank starts a child; (the session's folder, the sessions of the processes naming it)."""
+    _, folder = kernel.session_pids()
+    before = sum("child-of-a-rank" in line for line in _naming(kernel.tmp).values())
+    assert not kernel.run("%%px\n" + GRANDCHILD.format(tag="child-of-a-rank"))[1]
+    _wait_for(lambda: sum("child-of-a-rank" in line for line in _naming(kernel.tmp).values()) == before + 2, 30)
+    sids = _sessions(folder)
+    assert len(sids) >= 4, _naming(folder)  # the controller's, the agent's, each engine's
+    return folder, sids
+
+
+def test_restart_ends_every_process_of_the_old_session(kernel):
+    old, sids = _with_children(kernel)
+    out, error = kernel.run("%dist restart")
+    assert out.startswith("session: 2 ranks") and not error, (out, error)
+    assert _left(old, sids) == {} and not old.exists()
+    _, folder = kernel.session_pids()
+    assert folder != old
+    out, error = kernel.run("%px print(rank)")
+    assert out == by_rank("0", "1"), (out, error)
+
+
 def test_a_dead_rank_is_named_within_10_s(kernel):
+    _with_children(kernel)  # rank 1's is left an orphan in its session: %dist stop ends it
     pids, _ = kernel.session_pids()
     threading.Timer(2, os.kill, (pids[-1], signal.SIGKILL)).start()  # rank 1's engine
     start = time.monotonic()
@@ -229,19 +319,31 @@ def test_a_dead_rank_is_named_within_10_s(kernel):
 
 
 def test_stop_leaves_no_process_and_no_folder(kernel):
-    pids, folder = kernel.session_pids()  # controller, agent, both engines (rank 0's ended by the agent)
+    pids, folder = kernel.session_pids()  # controller, agent, both engines (rank 1 killed, rank 0 ended by the agent)
     assert oct(folder.stat().st_mode & 0o777) == "0o700"
+    assert "child-of-a-rank" in " ".join(_naming(kernel.tmp).values())  # the dead rank's, at least
+    sids = _sessions(kernel.tmp)
     out, error = kernel.run("%dist stop")
     assert out == "session stopped\n", (out, error)
     assert _alive(pids) == [] and not folder.exists()
+    assert _left(kernel.tmp, sids) == {}
     _, error = kernel.run("%%px\n1")
     assert "run %dist start -n N first" in error
 
 
 def test_a_killed_kernel_leaves_nothing(kernel):
+    """Nothing of the kernel's session or of its running %%torchrun cell, nor what their ranks started."""
     _, error = kernel.run(f"%dist start -n 2 --backend gloo --timeout {TIMEOUT_S}")
     assert not error, error
     pids, folder = kernel.session_pids()
     assert len(_alive(pids)) == 4
+    _, sids = _with_children(kernel)
+    cell = GRANDCHILD.format(tag="child-of-a-torchrun-rank") + "\nimport time\ntime.sleep(600)"
+    kernel.kc.execute(f"%%torchrun -n 2 --backend gloo --timeout 300\n{cell}")  # still running when the kernel dies
+    _wait_for(lambda: sum("child-of-a-torchrun-rank" in line for line in _naming(kernel.tmp).values()) == 2)
+    sids |= _sessions(kernel.tmp)
+    assert len(_naming(kernel.tmp)) >= 4 + 2 + 3 + 2, _naming(kernel.tmp)  # the session, its children, the run
     os.kill(kernel.km.provisioner.process.pid, signal.SIGKILL)  # type: ignore[union-attr]
     assert _gone_within(pids, 10) == []
+    assert _left_after(kernel.tmp, sids) == {}
+    assert not folder.exists()

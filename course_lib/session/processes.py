@@ -1,9 +1,13 @@
 """The processes of a session: the ipyparallel controller, the torchrun agent, one engine per rank.
 
-The kernel starts the controller and the agent, each in a session of its own that dies with the
-kernel (PR_SET_PDEATHSIG, as for `%%torchrun`); the agent starts the engines, which die with it.
-Every process is ended by its recorded pid or process group, never by name. All files of a session
-live in one private temporary folder (mode 0700), removed when the session stops.
+The kernel starts the controller and the agent, each in a session (setsid) of its own that dies with
+the kernel (PR_SET_PDEATHSIG, as for `%%torchrun`); the agent starts the engines, each in a session
+of its own, which die with it. Processes these start stay in their sessions, but no death signal
+reaches them: the controller's heartmonitor (a forked multiprocessing child, whatever
+`use_threads` says) or whatever a cell starts on a rank. So the session's processes are ended by
+session id (:func:`end_sessions`): by the kernel when the session stops, and by a watcher
+(:func:`start_watcher`) when the kernel dies, however it dies. Nothing is ended by name. All files of
+a session live in one private temporary folder (mode 0700), removed when the session stops.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class SessionDir:
     profile/security/ipcontroller-session-{client,engine}.json   ipyparallel's connection files
     ranks/R.pid        the pid of rank R's engine (how the kernel signals and ends it)
     controller.log, agent.log    their output (the agent's names the rank that died first)
+    watcher.log        the watcher's errors, if any
     """
 
     def __init__(self, path: Path) -> None:
@@ -47,6 +52,7 @@ class SessionDir:
         self.ranks = path / "ranks"
         self.controller_log = path / "controller.log"
         self.agent_log = path / "agent.log"
+        self.watcher_log = path / "watcher.log"
 
     @classmethod
     def create(cls) -> SessionDir:
@@ -70,7 +76,8 @@ class SessionDir:
 def _die_with_kernel() -> None:
     """In the controller and the agent, before exec: SIGKILL when the kernel dies, even by SIGKILL.
 
-    Nothing of a session needs a graceful end: the engines die with the agent (launch.worker.die_with_parent).
+    Nothing of a session needs a graceful end: the engines die with the agent (launch.worker.die_with_parent);
+    what outlives them in their sessions, the watcher ends.
     """
     if sys.platform.startswith("linux"):
         import ctypes
@@ -145,13 +152,122 @@ def interrupt(pids: list[int]) -> None:
             os.kill(pid, signal.SIGINT)
 
 
-def end(procs: list[subprocess.Popen], folder: SessionDir) -> None:
-    """End the agent, every engine and the controller (SIGKILL: no state to save); return when none is left."""
-    pids = list(folder.rank_pids().values())
-    for pgid in [proc.pid for proc in procs] + pids:  # engines run in sessions of their own (torchrun's)
-        kill_group(pgid, signal.SIGKILL)
+def start_watcher(folder: SessionDir) -> subprocess.Popen:
+    """The process that ends the session when the kernel ends without stopping it (SIGKILL included).
+
+    It reads its stdin, a pipe only the kernel holds, where :func:`watch_over` writes the pid of each
+    process the kernel starts. When the pipe closes, or the kernel is no longer its parent (a process
+    the kernel forked may hold the pipe open), it ends their sessions and every rank's
+    (:func:`end_sessions`), removes the folder and exits. It runs in a session of its own, without a
+    death signal, and imports neither torch nor ipyparallel.
+    """
+    code = "import sys\nfrom course_lib.session.processes import watch\nwatch(sys.argv[1], int(sys.argv[2]))"
+    with open(folder.watcher_log, "wb") as log:
+        return subprocess.Popen(
+            [sys.executable, "-c", code, str(folder.path), str(os.getpid())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            start_new_session=True,
+        )
+
+
+def watch_over(watcher: subprocess.Popen | None, proc: subprocess.Popen) -> subprocess.Popen:
+    """Tell the watcher of `proc` (started in a session of its own); return `proc`."""
+    if watcher is not None and watcher.stdin is not None:
+        with contextlib.suppress(OSError):  # a watcher that is gone: end() still ends `proc`
+            watcher.stdin.write(f"{proc.pid}\n".encode())
+            watcher.stdin.flush()
+    return proc
+
+
+def watch(path: str, kernel: int) -> None:
+    """The watcher's program (see start_watcher): `kernel` is the pid of the kernel that started it."""
+    import select
+
+    folder = SessionDir(Path(path))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the kernel's end, or a request to stop, ends it
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *_: sys.exit(0))
+    received = b""
+    try:
+        while os.getppid() == kernel:  # until the kernel closes the pipe or dies
+            if select.select([sys.stdin], [], [], 0.5)[0]:
+                chunk = os.read(sys.stdin.fileno(), 4096)
+                if not chunk:
+                    break
+                received += chunk
+    finally:
+        end_sessions(folder, [int(pid) for pid in received.split() if pid.isdigit()])
+        folder.remove()
+
+
+def session_processes(folder: SessionDir, leaders: list[int]) -> list[int]:
+    """Every live process (but this one) in the session of one of `leaders` or of a rank's engine.
+
+    A session whose leader is gone still holds what the leader started; a leader's pid that is now
+    another process's (the kernel died long ago) is left alone (see _still_ours).
+    """
+    import psutil
+
+    sids = {sid for sid in {*leaders, *folder.rank_pids().values()} if _still_ours(sid, folder)}
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if proc.pid != os.getpid() and os.getsid(proc.pid) in sids and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc.pid)
+    return found
+
+
+def _still_ours(sid: int, folder: SessionDir) -> bool:
+    """Whether `sid`, the pid of a process the session started in a session of its own, still names that session.
+
+    Linux gives a pid to no new process while a session or group of that id is left, so a live process
+    with that pid is the leader itself (its command line names the folder, or is empty while it exits)
+    or a newcomer (then session `sid` is gone).
+    """
+    import psutil
+
+    try:
+        leader = psutil.Process(sid)
+        if leader.status() == psutil.STATUS_ZOMBIE:
+            return True
+        if os.getsid(sid) != sid:
+            return False  # a newcomer: what was left of the session is gone
+        cmdline = leader.cmdline()
+        return not cmdline or str(folder.path) in " ".join(cmdline)  # the controller, the agent, an engine
+    except (psutil.NoSuchProcess, ProcessLookupError):
+        return True  # the leader is gone: what it started may be left in its session
+    except (psutil.Error, OSError):
+        return False
+
+
+def end_sessions(folder: SessionDir, leaders: list[int], timeout_s: float = 5.0) -> None:
+    """SIGKILL every process of session_processes (no state to save) until none is left."""
+    for pgid in [*leaders, *folder.rank_pids().values()]:  # most of them, at once
+        if _still_ours(pgid, folder):
+            kill_group(pgid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while (pids := session_processes(folder, leaders)) and time.monotonic() < deadline:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+
+
+def end(procs: list[subprocess.Popen], folder: SessionDir, watcher: subprocess.Popen | None = None) -> None:
+    """End the agent, every engine, the controller and what they started; then the watcher.
+
+    Returns when none of them is left.
+    """
+    end_sessions(folder, [proc.pid for proc in procs])
     for proc in procs:
         proc.wait(5)
-    deadline = time.monotonic() + 5
-    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    if watcher is not None:
+        with contextlib.suppress(OSError):
+            watcher.stdin.close()  # type: ignore[union-attr]  # the watcher finds nothing left, and exits
+        try:
+            watcher.wait(10)
+        except subprocess.TimeoutExpired:  # still starting on a loaded machine: nothing is left to watch
+            watcher.kill()
+            watcher.wait()

@@ -95,7 +95,8 @@ class Session:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.folder = SessionDir.create()
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen] = []  # the controller, the agent
+        self.watcher: subprocess.Popen | None = None  # ends them if the kernel dies (processes.start_watcher)
         self.client: Any = None
         self.view: Any = None
         self.seconds = 0.0
@@ -109,9 +110,12 @@ class Session:
 
         begin = time.monotonic()
         deadline = begin + START_TIMEOUT_S
+        self.watcher = processes.start_watcher(self.folder)
         # Both at once: the engines import torch while the controller starts, then wait for its file.
-        self.procs.append(processes.start_controller(self.folder))
-        self.procs.append(processes.start_agent(self.folder, self.settings.nproc, self.settings.backend))
+        controller = processes.start_controller(self.folder)
+        self.procs.append(processes.watch_over(self.watcher, controller))
+        agent = processes.start_agent(self.folder, self.settings.nproc, self.settings.backend)
+        self.procs.append(processes.watch_over(self.watcher, agent))
         while self.client is None or len(self.client.ids) < self.settings.nproc:
             if self.dead() or time.monotonic() > deadline:
                 why = self.dead() or f"not every engine registered within {START_TIMEOUT_S:g} s"
@@ -216,7 +220,7 @@ class Session:
     def stop(self) -> None:
         if self.client is not None:
             self.client.close()
-        processes.end(self.procs, self.folder)
+        processes.end(self.procs, self.folder, self.watcher)
         self.folder.remove()
 
 
