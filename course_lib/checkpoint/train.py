@@ -128,13 +128,15 @@ def local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tor
 
 
 def time_saves(
-    root: str | os.PathLike, mode: str, steps: int = 8, every: int = 2, **mlp_kwargs: Any
+    root: str | os.PathLike, mode: str, steps: int = 8, every: int = 2, min_step_s: float = 0.0, **mlp_kwargs: Any
 ) -> dict[str, list[float]]:
     """Train `steps` steps of an FSDP2 MLP, saving after every `every`-th with mode "none", "sync" or "async".
 
     Returns this rank's seconds per step ("step", a saving step including its save) and the seconds the
     training thread was blocked in each save call ("blocked"): the stall. An async save waits for the
-    previous one first, and that wait counts as stall too.
+    previous one first, and that wait counts as stall too. `min_step_s` pads each step's compute to that
+    many seconds (a sleep after it), as if the model were bigger: on a GPU this one's step takes about a
+    millisecond, which leaves a background write nothing to overlap with.
     """
     rank, world_size = _rank_world()
     root = Path(root) / mode
@@ -150,6 +152,8 @@ def time_saves(
         _barrier()
         begin = time.perf_counter()
         train_step(model, optimizer, x, y)
+        if min_step_s:
+            time.sleep(max(0.0, begin + min_step_s - time.perf_counter()))
         app.step = step + 1
         if mode != "none" and app.step % every == 0:
             save_begin = time.perf_counter()
