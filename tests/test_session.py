@@ -347,3 +347,14 @@ def test_a_killed_kernel_leaves_nothing(kernel):
     assert _gone_within(pids, 10) == []
     assert _left_after(kernel.tmp, sids) == {}
     assert not folder.exists()
+
+
+def test_an_nccl_rank_aborted_by_the_watchdog_is_explained():
+    """Under NCCL a collective not every rank entered returns at once; the watchdog's SIGABRT comes later."""
+    from course_lib.session.session import Settings, watchdog_hint
+
+    nccl, gloo = Settings(2, "nccl", 60.0), Settings(2, "gloo", 60.0)
+    hint = watchdog_hint("rank 1 (SIGABRT)", nccl)
+    assert "watchdog" in hint and "60 s" in hint and "not every rank entered" in hint
+    assert watchdog_hint("rank 1 (SIGKILL)", nccl) == watchdog_hint("rank 1 (SIGABRT)", gloo) == ""
+    assert watchdog_hint(None, nccl) == ""

@@ -144,7 +144,8 @@ class Session:
         if gone or agent_gone:
             first = processes.first_failure(self.folder)  # torchrun's report, once it has ended the others
             ranks = f"rank {gone[0]}" if len(gone) == 1 else f"ranks {', '.join(map(str, gone))}"
-            return f"{first or ranks} died" + (f" (now gone: {ranks})" if first and gone else "")
+            died = f"{first or ranks} died" + (f" (now gone: {ranks})" if first and gone else "")
+            return died + watchdog_hint(first, self.settings)
         if self.procs and self.procs[0].poll() is not None:
             return "the ipyparallel controller died"
         return None
@@ -212,9 +213,9 @@ class Session:
             except psutil.Error:
                 lines.append(f"rank {rank}: pid {pid}, gone")
         if self.settings.backend == "nccl" and not why:
-            self.view.execute("_dist_cuda_mib = torch.cuda.memory_allocated(device) / 2**20", block=True)
-            for rank, mib in enumerate(self.view.pull("_dist_cuda_mib", block=True)):
-                lines.append(f"rank {rank}: {mib:.0f} MiB allocated on cuda:{rank}")
+            self.view.execute("_dist_cuda_mib = (torch.cuda.memory_allocated(device) / 2**20, str(device))", block=True)
+            for rank, (mib, on) in enumerate(self.view.pull("_dist_cuda_mib", block=True)):
+                lines.append(f"rank {rank}: {mib:.0f} MiB allocated on {on}")
         return "\n".join(lines)
 
     def stop(self) -> None:
@@ -229,6 +230,17 @@ def restart() -> Session:
     settings = current().settings
     stop()
     return start(settings)
+
+
+def watchdog_hint(first_failure: str | None, settings: Settings) -> str:
+    """Why an NCCL rank died of SIGABRT: its collectives are asynchronous, so a stuck one ends in the watchdog."""
+    if settings.backend != "nccl" or not first_failure or "SIGABRT" not in first_failure:
+        return ""
+    return (
+        f" (NCCL's watchdog aborts a rank whose collective has not completed within the timeout, "
+        f"{settings.timeout:g} s: most often a collective that not every rank entered; under NCCL the cell "
+        "that called it returned at once)"
+    )
 
 
 def _timed_out(name: str, value: str) -> bool:
