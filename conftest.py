@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 os.environ["COURSE_HEADLESS"] = "1"  # explorers draw their default view (course_lib.viz)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -11,3 +13,13 @@ def pytest_collectstart(collector):
     # results are compared. tests/test_notebooks.py checks no output carries a warning.
     if collector.fspath and collector.fspath.ext == ".ipynb":
         collector.skip_compare += ("stderr",)
+
+
+@pytest.fixture
+def probe_kernel(tmp_path):
+    """A kernel in notebooks/ that runs a notebook's first cells alone (course_lib.launch.probe)."""
+    from course_lib.launch import probe, runner
+
+    kernel = probe.Kernel(runner.NOTEBOOKS, probe.kernel_env(tmp_path), tmp_path / "kernel-ipc")
+    yield kernel
+    kernel.close()

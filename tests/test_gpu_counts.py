@@ -16,6 +16,7 @@ import ast
 import nbformat
 import pytest
 from IPython.core.inputtransformer2 import TransformerManager
+from notebook_kit import fake_gpus_code
 
 from course_lib.launch import probe, runner
 
@@ -24,10 +25,6 @@ GPU_COUNTS = (0, 1, 2, 4, 8)
 NPROCS = (1, 2, 4, 8)
 # Calls that start ranks: the argument that gives the rank count (position, keyword) and the backend's keyword.
 RANK_CALLS = {"launch": (1, "nproc"), "check": (None, "nproc"), "diagnose_hang": (1, "nproc")}
-
-
-def fake_gpus_code(gpus: int) -> str:
-    return f"import torch\ntorch.cuda.is_available = lambda: {gpus > 0}\ntorch.cuda.device_count = lambda: {gpus}\n"
 
 
 def rank_sites(nb) -> list[tuple[int, str, object]]:
@@ -103,22 +100,15 @@ def _resolve_sites(sites, gpus, requested):
 """
 
 
-@pytest.fixture
-def kernel(tmp_path):
-    k = probe.Kernel(runner.NOTEBOOKS, probe.kernel_env(tmp_path), tmp_path / "kernel-ipc")
-    yield k
-    k.close()
-
-
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_every_distributed_cell_fits_the_gpus(path, kernel):
+def test_every_distributed_cell_fits_the_gpus(path, probe_kernel):
     nb = nbformat.read(path, as_version=4)
-    setup, sites = probe.Setup(nb, kernel), rank_sites(nb)
+    setup, sites = probe.Setup(nb, probe_kernel), rank_sites(nb)
     assert sites, "the notebook starts no ranks?"
-    assert kernel.run(RESOLVE_SITES)[0] == ""
+    assert probe_kernel.run(RESOLVE_SITES)[0] == ""
     failures, accepted = [], {}
     for gpus in GPU_COUNTS:
-        assert kernel.run(fake_gpus_code(gpus))[0] == ""
+        assert probe_kernel.run(fake_gpus_code(gpus))[0] == ""
         for backend in ("auto", "nccl"):
             for nproc in NPROCS:
                 name, message, _ = setup.run(NPROC=nproc, BACKEND=backend)
@@ -131,7 +121,7 @@ def test_every_distributed_cell_fits_the_gpus(path, kernel):
                     failures.append(f"{gpus} GPUs, NPROC={nproc}, {backend}: setup raised {name}: {message}")
                     continue
                 accepted.setdefault((gpus, backend), []).append(nproc)
-                name, message, _ = kernel.run(f"_resolve_sites({sites!r}, {gpus}, {backend!r})")
+                name, message, _ = probe_kernel.run(f"_resolve_sites({sites!r}, {gpus}, {backend!r})")
                 if name:
                     failures.append(f"{gpus} GPUs, NPROC={nproc}, BACKEND={backend}: {message}")
     assert failures == [], "\n".join(failures)

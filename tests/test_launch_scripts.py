@@ -19,6 +19,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from notebook_kit import fake_gpus_code, write_notebook
 
 from course_lib.launch import backend, runner
 
@@ -235,10 +236,6 @@ def test_multinode_local_fails_when_a_node_fails(sandbox):
 # ---- the runner: each notebook at the largest NPROC it accepts up to G ------------------------------
 
 
-def fake_gpus_code(gpus: int) -> str:
-    return f"import torch\ntorch.cuda.is_available = lambda: {gpus > 0}\ntorch.cuda.device_count = lambda: {gpus}\n"
-
-
 @pytest.fixture
 def fake_node(monkeypatch):
     """fake_node(G): the probe's kernels and the runner see G GPUs; papermill is not run. Returns its calls."""
@@ -290,16 +287,6 @@ def test_runner_on_1_gpu_skips_notebook_07_with_its_reason(fake_node, tmp_path, 
     assert (status, nproc, backend_name) == ("skipped", "-", "-")
     assert reason.startswith("NPROC=1 does not work in this notebook") and "that work: 2, 3, 4, 6" in reason
     assert "0 passed, 0 failed, 1 skipped" in table
-
-
-def write_notebook(path: Path, *sources: str) -> Path:
-    """A notebook of code cells at `path`; the first is tagged `parameters`."""
-    cells = [nbformat.v4.new_code_cell(source) for source in sources]
-    cells[0].metadata["tags"] = ["parameters"]
-    nb = nbformat.v4.new_notebook(cells=cells)
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nbformat.write(nb, path)
-    return path
 
 
 PARAMETERS = 'NPROC = 1\nBACKEND = "auto"'

@@ -15,6 +15,7 @@ from pathlib import Path
 import nbformat
 import pytest
 import torch
+from notebook_kit import write_notebook
 
 from course_lib import params
 from course_lib.launch import probe, runner
@@ -39,12 +40,9 @@ RANK_COUNTS = [int(n) for n in os.environ.get("TEST_NPROCS", "1,4").split(",")]
 @pytest.mark.notebook
 @pytest.mark.parametrize("nproc", RANK_COUNTS)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs_at_nproc_or_refuses_it_at_once(path, nproc, tmp_path):
-    kernel = probe.Kernel(runner.NOTEBOOKS, probe.kernel_env(tmp_path), tmp_path / "kernel-ipc")
-    try:
-        name, message, _ = probe.Setup(nbformat.read(path, as_version=4), kernel).run(NPROC=nproc)
-    finally:
-        kernel.close()
+def test_notebook_runs_at_nproc_or_refuses_it_at_once(path, nproc, tmp_path, probe_kernel):
+    name, message, _ = probe.Setup(nbformat.read(path, as_version=4), probe_kernel).run(NPROC=nproc)
+    probe_kernel.close()  # not needed beside the notebook's own kernel
     if name:
         assert name == "ParameterError" and "Values from 1 to 8 that work" in message, (name, message)
         return  # refused in its first cells (how fast: test_every_nproc_from_1_to_8_runs_or_is_refused_at_once)
@@ -68,16 +66,6 @@ def test_stored_notebook_is_clean(path):
         assert "injected-parameters" not in cell.metadata.get("tags", [])
         assert all(o.get("output_type") != "error" for o in cell.get("outputs", []))
     assert not [t for t in outputs_text(nb) if "Warning" in t or "deprecated" in t]
-
-
-def write_notebook(path: Path, *sources: str) -> Path:
-    """A notebook of code cells at `path`; the first is tagged `parameters`."""
-    cells = [nbformat.v4.new_code_cell(source) for source in sources]
-    cells[0].metadata["tags"] = ["parameters"]
-    nb = nbformat.v4.new_notebook(cells=cells)
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nbformat.write(nb, path)
-    return path
 
 
 def test_runner_reports_failing_cell_and_rank(tmp_path, capsys):
@@ -121,17 +109,10 @@ def test_parameters_are_checked_in_the_first_cells(path):
     probe.setup_cells(nbformat.read(path, as_version=4))
 
 
-@pytest.fixture
-def kernel(tmp_path):
-    k = probe.Kernel(runner.NOTEBOOKS, probe.kernel_env(tmp_path), tmp_path / "kernel-ipc")
-    yield k
-    k.close()
-
-
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_every_nproc_from_1_to_8_runs_or_is_refused_at_once(path, kernel):
+def test_every_nproc_from_1_to_8_runs_or_is_refused_at_once(path, probe_kernel):
     """The setup cells either accept NPROC or raise ParameterError naming the values that work, in seconds."""
-    setup = probe.Setup(nbformat.read(path, as_version=4), kernel)
+    setup = probe.Setup(nbformat.read(path, as_version=4), probe_kernel)
     name, message, _ = setup.run()  # the notebook's own parameters first: they work, and imports are warm after
     assert name == "", f"the notebook's default parameters fail: {name}: {message}"
 

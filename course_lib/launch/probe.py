@@ -50,8 +50,10 @@ class Kernel:
         return content.get("ename", "?"), content.get("evalue", ""), seconds
 
     def close(self) -> None:
-        self.kc.stop_channels()
-        self.km.shutdown_kernel(now=True)
+        """Shut the kernel down (again: nothing)."""
+        if self.km.has_kernel:
+            self.kc.stop_channels()
+            self.km.shutdown_kernel(now=True)
 
 
 def kernel_env(tmp: Path) -> dict[str, str]:
