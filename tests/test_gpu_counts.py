@@ -6,7 +6,8 @@ injected as papermill does, and the setup cells. Where the notebook accepts them
 cell of the notebook (each `%%torchrun` and `%dist start` line, each launch(...), check(...) and
 the other calls that start ranks) is resolved there as it would be when run: its rank count and
 backend must be able to run on G GPUs (nccl only when its ranks fit, one GPU each), its gloo ranks
-must see no GPU, and a cell of NPROC ranks must get the GPUs when they are enough. No rank starts.
+must see no GPU, and a cell of NPROC ranks on the notebook's BACKEND must get the GPUs when they are
+enough. No rank starts.
 """
 
 from __future__ import annotations
@@ -71,19 +72,19 @@ def _resolve_sites(sites, gpus, requested):
         try:
             if kind == "torchrun":
                 flags = parse_flags(ip.var_expand(re.sub(r"--save \\S+", "", what)))  # a path set later
-                asked_nproc = "$NPROC" in what.split()
+                asked_nproc = "$NPROC" in what.split() and "$BACKEND" in what.split()
                 spec = RunSpec.create(**flags)
             elif kind == "dist":
                 args = PARSER.parse_args(shlex.split(ip.var_expand(what)))
                 if args.action == "restart":
                     continue
-                asked_nproc = args.nproc == str(NPROC) and "$NPROC" in what
+                asked_nproc = "$NPROC" in what.split() and "$BACKEND" in what.split()
                 spec = RunSpec.create(nproc=args.nproc, backend=args.backend)
             else:
                 nproc, backend, condition = what
                 if condition and not eval(condition, ip.user_ns):
                     continue
-                asked_nproc = nproc == "NPROC"
+                asked_nproc = nproc == "NPROC" and backend == "BACKEND"
                 spec = RunSpec.create(nproc=eval(nproc, ip.user_ns), backend=eval(backend, ip.user_ns))
         except Exception as error:
             problems.append(f"cell {cell} ({kind} {what!r}): {type(error).__name__}: {error}")
