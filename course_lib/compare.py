@@ -86,9 +86,10 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     """max |got - expected| / max(max |expected|, 1).
 
     float32 sums taken in a different order differ by ~1e-7 of the values' scale; the floor of 1 keeps
-    values that are zero in exact arithmetic from dividing noise by noise.
+    values that are zero in exact arithmetic from dividing noise by noise. `got` is compared on `expected`'s
+    device (a GPU result against a CPU reference, or the reverse), as :func:`max_difference` does.
     """
-    return ((got - expected).abs().max() / expected.abs().max().clamp_min(1.0)).item()
+    return ((got.to(expected.device) - expected).abs().max() / expected.abs().max().clamp_min(1.0)).item()
 
 
 def bytes_per_rank(tensors: Iterable[torch.Tensor]) -> int:

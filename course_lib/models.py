@@ -7,10 +7,13 @@ several layers to shard, bucket or split into pipeline stages.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 class MLP(nn.Sequential):
@@ -31,6 +34,21 @@ def param_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def world_mesh() -> DeviceMesh:
+    """A 1-D DeviceMesh of every rank on this rank's device (launch.runtime.rank_device: cuda under NCCL, else
+    the CPU).
+
+    It is the mesh FSDP2 builds when given none, but for the device type: torch takes the machine's
+    accelerator, whatever the backend, so a gloo rank that can see a GPU would become a CUDA rank.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from course_lib.launch.runtime import rank_device
+
+    return init_device_mesh(rank_device().type, (dist.get_world_size(),))
+
+
 def shard_layers_then_root(
     model: nn.Module, layers: Iterable[nn.Module] | None = None, *, reshard_after_forward: bool = True, **options: Any
 ) -> nn.Module:
@@ -38,10 +56,13 @@ def shard_layers_then_root(
 
     A unit's parameters are all-gathered together, just before it runs. The root takes the parameters
     no layer claimed and drives the schedule. `layers` defaults to the model's Linear children;
-    `options` (mesh=, mp_policy=, ...) apply to every unit, the root included.
+    `options` (mesh=, mp_policy=, ...) apply to every unit, the root included. Without a mesh, the units
+    shard over every rank on this rank's device (:func:`world_mesh`).
     """
     from torch.distributed.fsdp import fully_shard
 
+    if options.get("mesh") is None:
+        options["mesh"] = world_mesh()
     if layers is None:
         layers = [m for m in model.children() if isinstance(m, nn.Linear)]
     for layer in layers:

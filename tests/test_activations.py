@@ -367,3 +367,55 @@ def test_evaluate_checker_on_ranks(capsys):
         ("evaluate_tensor", "return the mean loss as a Python float, got Tensor"),
     ):
         assert re.search(rf"✗ {name}: rank \d: {says}", out), name
+
+
+def test_out_of_memory_messages_are_short_and_the_same_on_every_run():
+    """The CPU allocator's error and CUDA's (faked here: a GPU run raises it) shorten to oom_message(device)."""
+    cpu = RuntimeError(
+        "[enforce fail at alloc_cpu.cpp:117] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to "
+        "allocate 25690112 bytes. Error code 12 (Cannot allocate memory)"
+    )
+    cuda = torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 24.00 MiB. GPU 0 has a total capacity of 139.81 GiB of which "
+        "138.51 GiB is free. Process 4242 has 1.29 GiB memory in use. Of the allocated memory 16.20 MiB is "
+        "allocated by PyTorch, and 3.80 MiB is reserved by PyTorch but unallocated. If reserved but unallocated "
+        "memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  "
+        "See documentation for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+    )
+    for error, device in ((cpu, "cpu"), (cuda, "cuda"), (cuda, torch.device("cuda", 3))):
+        assert activations.oom.is_out_of_memory(error)
+        assert activations.oom.short_message(error) == activations.oom_message(device)
+
+        def step(error=error):
+            raise error
+
+        assert activations.attempt(step) == {"ok": False, "error": activations.oom_message(device), "value": None}
+    assert activations.oom_message("cpu") == "RuntimeError: DefaultCPUAllocator: can't allocate memory"
+    assert activations.oom_message("cuda") == "OutOfMemoryError: CUDA out of memory."
+    assert activations.allocation_scale("cpu") == 1 and activations.allocation_scale("cuda:1") == 16
+
+
+def test_evaluate_checker_scales_its_batches_and_limit_with_the_device(monkeypatch):
+    """On CUDA the checker limits the caching allocator, 16 times larger (allocation_scale); faked here with 2."""
+    from contextlib import contextmanager
+
+    from course_lib.activations import checkers
+
+    limits, shapes = [], []
+    real_limit = checkers.memory_limit
+
+    @contextmanager
+    def recorded_limit(extra_bytes, device=None):
+        limits.append((extra_bytes, device))
+        with real_limit(extra_bytes, device):
+            yield
+
+    def evaluate(model, batches):
+        shapes.extend({tuple(x.shape) for x in batches})
+        return SOLUTIONS["evaluate"](model, batches)
+
+    monkeypatch.setattr(checkers, "allocation_scale", lambda device: 2)
+    monkeypatch.setattr(checkers, "memory_limit", recorded_limit)
+    checkers.check_evaluate(evaluate)
+    assert limits == [(2 * checkers.BUDGET_MIB * 2**20, CPU)]
+    assert shapes == [(16, 64, 48)]

@@ -328,3 +328,62 @@ def test_segments_split_the_log_at_each_start_that_trained():
         ck.Segment(1, None, None, 0, (0,), (1.0,)),
         ck.Segment(2, 1, 1, 0, (1,), (0.5,)),
     ]
+
+
+def _fake_gpu_rank(monkeypatch) -> dict:
+    """AppState on a GPU rank, faked: rank_device is cuda, and the CUDA generator's state is 16 bytes in a dict."""
+    from course_lib.checkpoint import dcp as dcp_module
+
+    generator = {"state": torch.arange(16, dtype=torch.uint8), "restored": 0}
+
+    def set_state(state, device):
+        generator.update(state=state.clone(), restored=generator["restored"] + 1)
+
+    monkeypatch.setattr(dcp_module, "rank_device", lambda: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: generator["state"].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_state)
+    return generator
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_app_state_keeps_a_gpu_ranks_generator_and_loads_across_devices(tmp_path, monkeypatch):
+    """A GPU rank saves its CUDA generator too ("cuda_rng", a Python value); a CPU rank's checkpoint has none
+    (its files are as before), and each kind loads into the other, in both formats."""
+    model = MLP()
+    optimizer = torch.optim.Adam(model.parameters())
+    assert sorted(ck.AppState(model, optimizer).state_dict()) == ["model", "optimizer", "rng", "step"]
+    ck.dcp_save(tmp_path / "cpu_dcp", 1, ck.AppState(model, optimizer, step=1))
+    ck.save_sharded(tmp_path / "cpu_mine", 1, {"app": ck.AppState(model, optimizer, step=1)})
+
+    generator = _fake_gpu_rank(monkeypatch)
+    gpu = ck.AppState(model, optimizer, step=2)
+    assert gpu.state_dict()["cuda_rng"] == list(range(16))
+    ck.dcp_save(tmp_path / "gpu_dcp", 2, gpu)
+    ck.save_sharded(tmp_path / "gpu_mine", 2, {"app": gpu})
+    generator["state"] = torch.zeros(16, dtype=torch.uint8)  # the generator moves on
+    for load in (
+        lambda app: ck.dcp_load(tmp_path / "gpu_dcp" / "step_2", app),
+        lambda app: ck.load_sharded(tmp_path / "gpu_mine" / "step_2", {"app": app}),
+    ):
+        app = ck.AppState(model, optimizer)
+        load(app)
+        assert app.step == 2 and generator["state"].tolist() == list(range(16))  # restored
+        generator["state"] = torch.zeros(16, dtype=torch.uint8)
+    restored = generator["restored"]
+    for load in (  # a CPU rank's checkpoint on a GPU rank: nothing to restore, no error
+        lambda app: ck.dcp_load(tmp_path / "cpu_dcp" / "step_1", app),
+        lambda app: ck.load_sharded(tmp_path / "cpu_mine" / "step_1", {"app": app}),
+    ):
+        app = ck.AppState(model, optimizer)
+        load(app)
+        assert app.step == 1 and generator["restored"] == restored
+        assert "cuda_rng" in app.state_dict()  # the next save has it again
+
+    monkeypatch.undo()  # a CPU rank loads the GPU rank's checkpoints and ignores the generator
+    for directory in ("gpu_dcp", "gpu_mine"):
+        app = ck.AppState(model, optimizer)
+        if directory == "gpu_dcp":
+            ck.dcp_load(tmp_path / directory / "step_2", app)
+        else:
+            ck.load_sharded(tmp_path / directory / "step_2", {"app": app})
+        assert app.step == 2

@@ -343,3 +343,16 @@ def test_stub_is_not_attempted(capsys):
 
     assert check(reduce_scatter_stub, collectives.check_reduce_scatter, nproc=2) is None
     assert "not attempted yet" in capsys.readouterr().out
+
+
+def test_pass_right_checker_hands_a_cpu_token_to_gloo_even_on_a_gpu_rank(monkeypatch):
+    """record_calls bounds a blocking recv only where gloo carries it: on a GPU rank (meta stands in) the token
+    stays on the CPU, which the default group's gloo part carries ("cpu:gloo,cuda:nccl")."""
+    from course_lib.collectives import checkers
+    from tests.device_fakes import Reached, on_meta, recorder
+
+    on_meta(monkeypatch, checkers)
+    devices: list = []
+    with pytest.raises(Reached):
+        checkers.check_pass_right(recorder(devices))
+    assert devices == [torch.device("cpu")]

@@ -234,3 +234,15 @@ def test_unsharded_gradients_name_a_stages_blocks_as_in_the_whole_model():
     got = compose.unsharded_gradients(second_stage, first_block=2)
     assert sorted(got) == sorted(name for name in reference if name.split(".")[0] in ("2", "3"))
     assert max_difference(got, reference) == 0.0
+
+
+def test_micro_batches_checker_builds_the_rows_on_the_ranks_device(monkeypatch):
+    """On a GPU rank the rows live on its GPU (meta stands in for it): the count the ranks agree on is reduced there."""
+    from course_lib.compose import checkers
+    from tests.device_fakes import META, Reached, on_meta, recorder
+
+    on_meta(monkeypatch, checkers)
+    devices: list = []
+    with pytest.raises(Reached):
+        checkers.check_micro_batches(recorder(devices))
+    assert devices == [META, META]

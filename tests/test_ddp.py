@@ -352,3 +352,52 @@ def test_branches_and_step_timing():
     )
     assert calls == ["fast", "slow"] * 6  # in turns, warm-up included
     assert seconds["slow"] >= 0.002 > seconds["fast"]
+
+
+def test_stamps_on_the_cpu_are_host_seconds_and_cuda_events_come_back_on_the_host_clock(monkeypatch):
+    """CUDA events (faked: a GPU clock in ms) become perf_counter seconds through an anchor on the idle device."""
+    import time
+
+    before = time.perf_counter()
+    now = ddp.stamp(torch.device("cpu"))
+    assert isinstance(now, float) and before <= now <= time.perf_counter()
+    rows = [(0, 8, 1.5, 2.5)]
+    assert ddp.on_host_clock(rows) == rows  # no events: nothing to convert, no synchronization
+
+    gpu_ms = [1000.0]  # the fake GPU's clock
+
+    class FakeEvent:
+        def __init__(self, enable_timing: bool = False) -> None:
+            self.at = None
+
+        def record(self) -> None:
+            self.at = gpu_ms[0]
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, end: FakeEvent) -> float:
+            return end.at - self.at
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    start = ddp.stamp(torch.device("cuda", 0))
+    gpu_ms[0] += 3.0  # the all-reduce takes 3 ms on the GPU
+    end = ddp.stamp(torch.device("cuda", 0))
+    gpu_ms[0] += 5.0  # 5 ms later the anchor: the host reads its clock right after it
+    host_before = time.perf_counter()
+    [(bucket, nbytes, s, e)] = ddp.on_host_clock([(0, 8, start, end)])
+    host_after = time.perf_counter()
+    assert (bucket, nbytes) == (0, 8)
+    assert e - s == pytest.approx(3e-3)
+    assert host_before - 5e-3 <= e <= host_after - 5e-3
+
+
+def test_bytes_written_counts_on_gloo_and_is_none_under_nccl(monkeypatch):
+    """wchar counts what gloo sends through sockets; NCCL's transports bypass it, so there is no number."""
+    assert isinstance(ddp.bytes_written(), int)  # no process group: this process's count
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    assert isinstance(ddp.bytes_written(), int)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+    assert ddp.bytes_written() is None

@@ -103,3 +103,25 @@ def test_batches_are_a_fixed_data_set():
     first = fsdp.global_batches(4, 16)
     again = fsdp.global_batches(2, 16)
     assert all((a[0] == b[0]).all() for a, b in zip(first, again))
+
+
+def test_shard_layers_then_root_gives_every_unit_a_mesh_on_the_ranks_device(monkeypatch):
+    """fully_shard without a mesh would take the machine's accelerator; the course shards on rank_device()."""
+    import torch.distributed as dist
+    import torch.distributed.device_mesh as device_mesh
+    import torch.distributed.fsdp as torch_fsdp
+
+    from course_lib import models
+    from course_lib.launch import runtime
+
+    meshes: list = []
+    monkeypatch.setattr(runtime, "rank_device", lambda: torch.device("cuda", 1))
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(device_mesh, "init_device_mesh", lambda kind, shape: ("mesh", kind, shape))
+    monkeypatch.setattr(torch_fsdp, "fully_shard", lambda module, **options: meshes.append(options["mesh"]))
+    assert models.world_mesh() == ("mesh", "cuda", (4,))
+    models.shard_layers_then_root(models.MLP(n_layers=2))
+    assert meshes == [("mesh", "cuda", (4,))] * 4  # 3 Linear units and the root, one mesh
+    meshes.clear()
+    models.shard_layers_then_root(models.MLP(n_layers=2), mesh="given")
+    assert meshes == ["given"] * 4

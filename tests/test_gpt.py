@@ -261,3 +261,25 @@ def test_rows_on_mesh_checker_accepts_the_fix_and_names_the_wrong_rows(capsys):
         assert (
             re.search(r"holds rows \[.*\] of the global batch of \d+, expected rows", out) or "dp ranks empty" in out
         ), out
+
+
+@pytest.mark.parametrize(
+    ("name", "peak"),
+    [
+        ("NVIDIA H100 80GB HBM3", 67e12),  # SXM
+        ("NVIDIA H100 PCIe", 51e12),
+        ("NVIDIA H100 NVL", 60e12),
+        ("NVIDIA H200", 67e12),  # the H100 SXM's compute
+        ("NVIDIA H200 NVL", 60e12),
+        ("NVIDIA GH200 480GB", 67e12),
+        ("NVIDIA A100-SXM4-80GB", 19.5e12),
+        ("NVIDIA A100 80GB PCIe", 19.5e12),
+        ("NVIDIA A10", 31.2e12),  # not an A100
+        ("Tesla V100-PCIE-16GB", 14e12),
+        ("Tesla V100-SXM2-32GB", 15.7e12),
+        ("NVIDIA GeForce RTX 4090", None),
+    ],
+)
+def test_peak_flops_tell_the_variants_of_a_gpu_apart(name, peak):
+    assert gpt.peak_flops_of(name) == peak
+    assert gpt.device_peak_flops("cpu") is None

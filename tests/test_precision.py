@@ -228,3 +228,15 @@ def test_prediction_of_bf16_bytes_per_rank(nproc):
     assert check_prediction("bf16", predict(parameters, nproc), measured, rtol=0.05) is True
     for wrong in (4 * parameters / nproc, 2 * parameters, 2 * parameters / (nproc - 1)):
         assert check_prediction("bf16", wrong, measured, rtol=0.05) is False, wrong
+
+
+def test_found_inf_checker_builds_the_gradients_on_the_ranks_device(monkeypatch):
+    """On a GPU rank the gradients live on its GPU (meta stands in for it), where NCCL can reduce them."""
+    from course_lib.precision import checkers
+    from tests.device_fakes import META, Reached, on_meta, recorder
+
+    on_meta(monkeypatch, checkers)
+    devices: list[torch.device] = []
+    with pytest.raises(Reached):
+        checkers.check_found_inf(recorder(devices))
+    assert devices == [META, META]

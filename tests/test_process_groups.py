@@ -174,3 +174,18 @@ def test_prediction(nproc, capsys):
 def test_health_check_sees_every_rank():
     results = run(programs.health, 3)
     assert [r["total"] for r in results] == [3.0] * 3
+
+
+def test_mean_loss_checker_hands_a_cpu_loss_to_gloo_even_on_a_gpu_rank(monkeypatch):
+    """The deadlock lesson needs gloo's timeout: on a GPU rank (meta stands in) the loss stays on the CPU, which
+    the default group's gloo part carries ("cpu:gloo,cuda:nccl")."""
+    import torch
+
+    from course_lib.process_groups import checkers
+    from tests.device_fakes import Reached, on_meta, recorder
+
+    on_meta(monkeypatch, checkers)
+    devices: list = []
+    with pytest.raises(Reached):
+        checkers.check_mean_loss(recorder(devices))
+    assert devices == [torch.device("cpu")]

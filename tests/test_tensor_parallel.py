@@ -149,3 +149,16 @@ def test_parameter_bytes_prediction(n, capsys):
     for wrong in (total / n, total, (total - replicated) / n, replicated * n + (total - replicated) / n):
         assert check_prediction("bytes", wrong, measured, rtol=0.002) is False, (n, wrong)
     assert "too" in capsys.readouterr().out
+
+
+def test_checkers_build_layer_and_input_on_the_ranks_device(monkeypatch):
+    """On a GPU rank the layer and its input live on its GPU (meta stands in for it), where NCCL can reduce them."""
+    from course_lib.tensor_parallel import checkers
+    from tests.device_fakes import META, Reached, on_meta, recorder
+
+    on_meta(monkeypatch, checkers)
+    for checker, arguments in ((checkers.check_split_backward, 1), (checkers.check_row_parallel_forward, 3)):
+        devices: list = []
+        with pytest.raises(Reached):
+            checker(recorder(devices))
+        assert devices == [META] * arguments, checker.__name__

@@ -5,7 +5,8 @@
 - inspection: the tensors autograd saved (saved_tensors), the bytes alive at each moment (LiveBytes), FLOPs
 - recompute: checkpointing from scratch with saved-tensor hooks, torch.utils.checkpoint (full and selective)
 - measure: what the ranks measure (bytes per layer, a step under each mode, time), on CPU or GPU
-- oom: a real out-of-memory under a limit (RLIMIT_AS on CPU, a memory fraction on CUDA); micro-batched steps
+- oom: a real out-of-memory under a limit (RLIMIT_AS on CPU, a memory fraction on CUDA), its short message per
+  device; micro-batched steps
 - ladder: the memory estimate per GPU and the ladder of fixes, each with its cost
 - figures: kernel-side figures and the explorer
 - checkers: the exercises' checkers (solutions: notebooks/solutions/05_activation_memory.py)
@@ -45,7 +46,15 @@ from course_lib.activations.measure import (
     step_flops,
     time_steps,
 )
-from course_lib.activations.oom import attempt, mapped_bytes, memory_limit, train_step, unmap_freed_memory
+from course_lib.activations.oom import (
+    allocation_scale,
+    attempt,
+    mapped_bytes,
+    memory_limit,
+    oom_message,
+    train_step,
+    unmap_freed_memory,
+)
 from course_lib.activations.recompute import (
     RECOMPUTE_MODES,
     Checkpointed,
@@ -62,6 +71,7 @@ __all__ = [
     "Checkpointed",
     "LiveBytes",
     "Setup",
+    "allocation_scale",
     "attempt",
     "attention_backend",
     "attention_width",
@@ -90,6 +100,7 @@ __all__ = [
     "matmul_flops",
     "measure_step",
     "memory_limit",
+    "oom_message",
     "save_matmuls",
     "saved_tensors",
     "selective_block_bytes",

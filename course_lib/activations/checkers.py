@@ -13,10 +13,11 @@ from torch import nn
 from course_lib.activations.formulas import course_block_bytes
 from course_lib.activations.inspection import LiveBytes
 from course_lib.activations.measure import loss_of
-from course_lib.activations.oom import MiB, attempt, memory_limit, unmap_freed_memory
+from course_lib.activations.oom import MiB, allocation_scale, attempt, memory_limit, unmap_freed_memory
 from course_lib.activations.recompute import block_stack
 from course_lib.compare import grad_of
 from course_lib.exercises import ExerciseFailed
+from course_lib.launch.runtime import rank_device
 
 CHECKED_EVERY = (1, 2, 3, 4)
 LAYERS, SEQ = 5, 32
@@ -68,11 +69,20 @@ BUDGET_MIB, EVAL_BATCHES = 16, 8
 def check_evaluate(fn: Callable[[nn.Module, list[torch.Tensor]], float]) -> None:
     """fn(model, batches) -> the mean over the batches of mean(model(x)²), as a float. Checked on 4 blocks and
     8 batches under a 16 MiB limit (one batch's forward with its saved activations fits, 8 do not), and it must
-    save nothing for a backward that never comes."""
+    save nothing for a backward that never comes.
+
+    Model and batches are on the rank's device, and so is the limit (activations.memory_limit): the address
+    space on the CPU, the caching allocator's share of the GPU under NCCL, where batches and limit are
+    allocation_scale (16) times larger. (An address-space limit in a process that holds a CUDA context and
+    NCCL's threads would also fail their mappings: a thread's stack, a malloc arena.)
+    """
     unmap_freed_memory()
+    device = rank_device()
+    scale = allocation_scale(device)
+    budget_mib = BUDGET_MIB * scale
     generator = torch.Generator().manual_seed(300 + _rank())
-    batches = [torch.randn(8, 64, 48, generator=generator) for _ in range(EVAL_BATCHES)]
-    model = block_stack(4)
+    batches = [torch.randn(8 * scale, 64, 48, generator=generator).to(device) for _ in range(EVAL_BATCHES)]
+    model = block_stack(4).to(device)
     with torch.no_grad():
         expected = sum(loss_of(model(x)).item() for x in batches) / len(batches)
     saved = 0
@@ -82,11 +92,11 @@ def check_evaluate(fn: Callable[[nn.Module, list[torch.Tensor]], float]) -> None
         saved += tensor.untyped_storage().nbytes()
         return tensor.detach()  # not the tensor itself: an op's saved output would then keep its own graph alive
 
-    with memory_limit(BUDGET_MIB * MiB), torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
+    with memory_limit(budget_mib * MiB, device), torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
         outcome = attempt(lambda: fn(model, batches))
     if not outcome["ok"]:
         raise ExerciseFailed(
-            f"evaluating {EVAL_BATCHES} batches ran out of memory under a {BUDGET_MIB} MiB limit "
+            f"evaluating {EVAL_BATCHES} batches ran out of memory under a {budget_mib} MiB limit "
             f"({outcome['error']}): something keeps each batch's activations alive"
         )
     if saved:

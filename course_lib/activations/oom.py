@@ -63,10 +63,32 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 
 def short_message(error: BaseException) -> str:
-    """The first line of an out-of-memory error without the source location or byte count (they vary)."""
+    """The first line of an out-of-memory error without what varies: the source location, the byte count and,
+    on CUDA, the device's capacity and usage ("Tried to allocate 24.00 MiB. GPU 0 has a total capacity ...").
+
+    What remains is :func:`oom_message` of the device: "RuntimeError: DefaultCPUAllocator: can't allocate
+    memory" on the CPU, "OutOfMemoryError: CUDA out of memory." on a GPU.
+    """
     first = str(error).strip().splitlines()[0]
     first = re.sub(r"\[enforce fail at [^\]]*\]\s*(err == 0\.\s*)?", "", first)
-    return f"{type(error).__name__}: " + re.sub(r":? ?you tried to allocate \d+ bytes.*", "", first).strip()
+    first = re.sub(r":? ?you tried to allocate \d+ bytes.*", "", first)  # the CPU allocator
+    first = re.sub(r"\s*Tried to allocate .*", "", first)  # CUDA's caching allocator
+    return f"{type(error).__name__}: " + first.strip()
+
+
+def oom_message(device: torch.device | str) -> str:
+    """The short message (:func:`short_message`, what :func:`attempt` reports) of running out of memory under
+    :func:`memory_limit` on `device`'s type."""
+    if torch.device(device).type == "cuda":
+        return "OutOfMemoryError: CUDA out of memory."
+    return "RuntimeError: DefaultCPUAllocator: can't allocate memory"
+
+
+def allocation_scale(device: torch.device | str) -> int:
+    """How many times larger tensors and limits are on `device` for a limit to mean what it means on the CPU: 16
+    on CUDA, whose caching allocator reserves memory in segments of 2 and 20 MiB (a few MiB of tensors take a
+    whole segment), 1 elsewhere."""
+    return 16 if torch.device(device).type == "cuda" else 1
 
 
 def attempt(step: Callable[[], Any]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from course_lib.checkpoint.atomic import _barrier, _commit, _prepare, _rank_world
 from course_lib.checkpoint.integrity import verify
+from course_lib.launch.runtime import rank_device
 
 
 class AppState(Stateful):
@@ -26,17 +27,27 @@ class AppState(Stateful):
     `load_state_dict()`. `get_state_dict` / `set_state_dict` turn FSDP2's sharded parameters and the
     optimizer's per-parameter state into the plain, fully-qualified names that DCP stores.
     The ranks of this course draw identical random numbers (same seed, same calls), so one RNG state is
-    saved; with per-rank generators save one per rank under rank-specific names.
+    saved; with per-rank generators save one per rank under rank-specific names. A rank on a GPU also saves
+    that GPU's generator ("cuda_rng", a list of its state's bytes: a Python value, not a tensor). It is
+    OPTIONAL: a checkpoint saved on CPU ranks has none, and a CPU rank loading a GPU checkpoint ignores it.
     """
+
+    OPTIONAL = ("cuda_rng",)  # loaded only when the checkpoint has it (dcp_load and load_sharded check)
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int = 0) -> None:
         self.model, self.optimizer, self.step = model, optimizer, step
+        device = rank_device()
+        self.cuda_device = device if device.type == "cuda" else None
+        self.absent: set[str] = set()  # OPTIONAL names the checkpoint being loaded lacks
 
     def state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
-        return {"model": model_state, "optimizer": optimizer_state, "step": self.step, "rng": torch.get_rng_state()}
+        state = {"model": model_state, "optimizer": optimizer_state, "step": self.step, "rng": torch.get_rng_state()}
+        if self.cuda_device is not None and "cuda_rng" not in self.absent:
+            state["cuda_rng"] = torch.cuda.get_rng_state(self.cuda_device).tolist()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
@@ -44,6 +55,8 @@ class AppState(Stateful):
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         self.step = state["step"]
         torch.set_rng_state(state["rng"])
+        if self.cuda_device is not None and "cuda_rng" in state:
+            torch.cuda.set_rng_state(torch.tensor(state["cuda_rng"], dtype=torch.uint8), self.cuda_device)
 
 
 def dcp_save(root: str | os.PathLike, step: int, app: AppState) -> Path:
@@ -59,11 +72,18 @@ def dcp_save(root: str | os.PathLike, step: int, app: AppState) -> Path:
 
 
 def dcp_load(directory: str | os.PathLike, app: AppState) -> None:
-    """Verify, then load into `app` in place (any world size: DCP reads the overlapping pieces)."""
+    """Verify, then load into `app` in place (any world size: DCP reads the overlapping pieces).
+
+    The AppState.OPTIONAL values the checkpoint lacks are left out of the template (DCP would refuse them)."""
     import torch.distributed.checkpoint as dcp
 
     verify(directory)
-    dcp.load({"app": app}, checkpoint_id=directory)
+    saved = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    app.absent = {name for name in app.OPTIONAL if f"app.{name}" not in saved}
+    try:
+        dcp.load({"app": app}, checkpoint_id=directory)
+    finally:
+        app.absent = set()
 
 
 class AsyncCheckpointer:

@@ -177,7 +177,8 @@ def load_sharded(directory: str | os.PathLike, state: dict[str, Any]) -> Loaded:
 
     DTensors get the rows this rank holds now, read from whichever saved shards overlap them
     (:func:`read_plan`); plain tensors get the whole tensor; Python values are replaced. Stateful
-    values are loaded through their `state_dict()` template and `load_state_dict()`, like DCP.
+    values are loaded through their `state_dict()` template and `load_state_dict()`, like DCP; the
+    Python values a Stateful lists in OPTIONAL are left out when the checkpoint has none.
     Each rank reads only metadata.json, objects.pt and its own rows, and verifies what it reads: the
     SHA-256 of objects.pt, the CRC-32 of every row. (`verify` is the whole-checkpoint check.)
     """
@@ -193,6 +194,11 @@ def load_sharded(directory: str | os.PathLike, state: dict[str, Any]) -> Loaded:
     objects = torch.load(io.BytesIO(objects_file), weights_only=True)
     header = counter[0]
     flat = _flatten(_materialize(state))
+    for key, value in state.items():
+        for name in getattr(value, "OPTIONAL", ()):  # values a checkpoint may lack (AppState: "cuda_rng")
+            path = f"{key}/{name}"
+            if path in flat and path not in objects and path not in metadata["tensors"]:
+                del flat[path]
     missing = [n for n, t in flat.items() if isinstance(t, torch.Tensor) and n not in metadata["tensors"]]
     if missing:
         raise CheckpointError(

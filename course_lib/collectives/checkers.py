@@ -37,7 +37,7 @@ def _rank_data(numel: int, rank: int) -> torch.Tensor:
     # Whole numbers: the sum is exact in any order, so any correct algorithm matches exactly.
     gen = torch.Generator().manual_seed(1000 * numel + rank)
     data = torch.randint(-9, 10, (numel,), generator=gen).float()
-    return data.to(rank_device())  # NCCL moves only GPU tensors
+    return data.to(rank_device())  # where a model's tensors are: the GPU under NCCL
 
 
 def check_reduce_scatter(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -102,10 +102,16 @@ def _describe(calls: list[tuple[str, int | None]]) -> str:
 
 def check_pass_right(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """fn(token) on every rank must return the left neighbour's token, using blocking send/recv only, in an
-    order that cannot deadlock: it must end in time here, and also when a send waits for its receiver."""
+    order that cannot deadlock: it must end in time here, and also when a send waits for its receiver.
+
+    The token is a CPU tensor on every backend, so gloo carries the learner's messages (under NCCL the
+    default group's CPU part, "cpu:gloo,cuda:nccl"): a blocking gloo recv waits on the host, where
+    record_calls bounds it, while NCCL's returns at once and leaves the GPU waiting, so a deadlock would
+    surface as a hang, never as this checker's message.
+    """
     rank, n = dist.get_rank(), dist.get_world_size()
     side = side_group()
-    token = secret_values((4,)).to(rank_device())
+    token = secret_values((4,))
     tokens = [torch.empty_like(token) for _ in range(n)]
     dist.all_gather(tokens, token)
     advice = "the exercise is to fix the order of the blocking dist.send and dist.recv"

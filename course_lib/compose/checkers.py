@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from course_lib.compose.mesh import DIMS
 from course_lib.exercises import ExerciseFailed, expect_equal
+from course_lib.launch.runtime import rank_device
 
 ALL_GATHER, REDUCE_SCATTER = "c10d._allgather_base_", "c10d._reduce_scatter_base_"
 
@@ -28,7 +29,7 @@ def check_my_coordinates(fn: Callable[[int, int, int, int], object]) -> None:
     shapes = [(pp, dp, world // (pp * dp)) for pp in (1, 2, 4) for dp in (1, 2, 4) if world >= pp * dp]
     for pp, dp, tp in shapes:
         size = pp * dp * tp
-        mesh = DeviceMesh("cpu", torch.arange(size).view(pp, dp, tp), mesh_dim_names=DIMS)
+        mesh = DeviceMesh(rank_device().type, torch.arange(size).view(pp, dp, tp), mesh_dim_names=DIMS)
         coordinate = mesh.get_coordinate()
         if coordinate is None:  # this rank is not in the mesh
             continue
@@ -45,6 +46,8 @@ def check_accumulate(fn: Callable) -> None:
     Every rank has its own micro-batches (its rows of one global batch), so only the reduced gradients can
     equal the mean over the global batch. Counted on the wire: the parameters gathered twice per micro-batch
     (each runs forward and backward on its own), the gradients reduce-scattered once per block and step.
+    Model, mesh and batches are on the rank's device; the reference is one process on the CPU (max_difference
+    compares across devices).
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -53,12 +56,13 @@ def check_accumulate(fn: Callable) -> None:
     from course_lib.compose.traffic import CountBytes
 
     world, me = dist.get_world_size(), dist.get_rank()
-    mesh = init_device_mesh("cpu", (world,))
+    device = rank_device()
+    mesh = init_device_mesh(device.type, (world,))
     for n_mb in (2, 3):
         x, y = make_batch(global_batch=2 * n_mb * world, seed=n_mb)
         _, reference = reference_grads(2, x, y)
-        model = apply_fsdp(make_model(2), mesh)
-        mine = x.chunk(world)[me], y.chunk(world)[me]  # this rank's rows only
+        model = apply_fsdp(make_model(2).to(device), mesh)
+        mine = x.chunk(world)[me].to(device), y.chunk(world)[me].to(device)  # this rank's rows only
         micro_batches = list(zip(mine[0].chunk(n_mb), mine[1].chunk(n_mb)))
         with CountBytes() as sent:
             fn(model, micro_batches)
@@ -91,13 +95,15 @@ def check_micro_batches(fn: Callable) -> None:
     micro_batch_size, and as many micro-batches on every rank (FSDP ranks run their forwards in lockstep).
 
     The ranks hold different numbers of rows, and which rank holds the most changes from round to round.
+    The rows are on the rank's device (a count the ranks agree on is then a collective on that device).
     """
     world, me = dist.get_world_size(), dist.get_rank()
+    device = rank_device()
     rounds = [(2, 3, world - 1), (4, 5, 0), (4, 4, 0), (3, 4, world // 2)]  # (rows, rows of the big rank, big rank)
     side = dist.new_group(backend="gloo")  # the reports travel apart from the learner's collectives
     for rows, big_rows, big in rounds:
         n = big_rows if me == big else rows
-        x = torch.arange(n * 3, dtype=torch.float32).view(n, 3) + 1000 * me
+        x = (torch.arange(n * 3, dtype=torch.float32).view(n, 3) + 1000 * me).to(device)
         y = -x[:, 0]
         got = fn(x, y, 2)
         if not isinstance(got, (list, tuple)) or not all(isinstance(m, (list, tuple)) and len(m) == 2 for m in got):

@@ -39,7 +39,7 @@ def time_ring_step(
         ring_attention(q_, k_, v_, held, group=group).sum().backward()
         if q_.is_cuda:
             torch.cuda.synchronize()
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=q.device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)  # a step ends when its slowest rank ends
         times.append(float(elapsed))
     return statistics.median(times[1:])

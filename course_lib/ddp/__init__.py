@@ -1,6 +1,7 @@
 """Notebook 02: data parallelism from scratch, next to torch's DistributedDataParallel.
 
-- minimal_ddp: MinimalDDP, the algorithm (broadcast, buckets, asynchronous all-reduce, no_sync)
+- minimal_ddp: MinimalDDP, the algorithm (broadcast, buckets, asynchronous all-reduce, no_sync); stamps on the
+  GPU's clock (CUDA events) or the host's
 - replicas: the gradient-sync check and the rank-0 snapshot
 - train: the training harness, single-process or data-parallel over the same batches
 - comm_hooks: torch DDP's compression hooks (fp16, bf16, PowerSGD), a timing hook and a bucket-recording hook
@@ -28,7 +29,7 @@ from course_lib.ddp.figures import (
     ring_bytes,
     simulate_buckets,
 )
-from course_lib.ddp.minimal_ddp import MB, Bucket, MinimalDDP, assign_buckets, unwrap
+from course_lib.ddp.minimal_ddp import MB, Bucket, MinimalDDP, assign_buckets, on_host_clock, stamp, unwrap
 from course_lib.ddp.replicas import check_gradient_sync, load_snapshot, save_snapshot
 from course_lib.ddp.train import TrainLog, bytes_written, global_loader, rank_loader, shuffled_order, train
 from course_lib.ddp.uneven import shadow_all_reduce, train_with_join, uneven_batches, uneven_reference
@@ -56,6 +57,7 @@ __all__ = [
     "gradient_error",
     "load_snapshot",
     "low_precision_mean",
+    "on_host_clock",
     "overlap_fraction",
     "payload_bytes",
     "rank_loader",
@@ -66,6 +68,7 @@ __all__ = [
     "shadow_all_reduce",
     "shuffled_order",
     "simulate_buckets",
+    "stamp",
     "timed_allreduce_hook",
     "train",
     "train_with_hook",

@@ -5,7 +5,6 @@ annotations with the real classes (dist.GradBucket, Future[Tensor]), and strings
 """
 
 import copy
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
-from course_lib.ddp.minimal_ddp import unwrap
+from course_lib.ddp.minimal_ddp import Stamp, on_host_clock, stamp, unwrap
 from course_lib.ddp.train import TrainLog, train
 
 CommHook = Callable[[object, dist.GradBucket], torch.futures.Future[torch.Tensor]]
@@ -117,15 +116,29 @@ def train_with_hook(
 
 
 def timed_allreduce_hook(events: list[tuple[int, int, float, float]]) -> CommHook:
-    """A torch DDP comm hook that all-reduces (mean) and records (bucket, bytes, start, end) in `events`."""
+    """A torch DDP comm hook that all-reduces (mean) and records (bucket, bytes, start, end) in `events`,
+    in time.perf_counter() seconds.
+
+    On CUDA, where NCCL's future completes as soon as the all-reduce is queued, start and end are CUDA events
+    (minimal_ddp.stamp: `done` runs on a stream that waits for the all-reduce); the step's events become
+    seconds at its last bucket, which synchronizes the device once per step.
+    """
+    pending: list[tuple[int, int, Stamp, Stamp]] = []  # this step's rows on CUDA, until its last bucket
 
     def hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer().div_(dist.get_world_size())
-        start = time.perf_counter()
+        start = stamp(buffer.device)
         future = dist.all_reduce(buffer, async_op=True).get_future()
 
         def done(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-            events.append((bucket.index(), buffer.numel() * buffer.element_size(), start, time.perf_counter()))
+            row: tuple[int, int, Any, Any] = (bucket.index(), buffer.nbytes, start, stamp(buffer.device))
+            if buffer.device.type != "cuda":
+                events.append(row)  # gloo: runs when the all-reduce has finished
+            else:
+                pending.append(row)
+                if bucket.is_last():
+                    events.extend(on_host_clock(pending))
+                    pending.clear()
             return fut.value()[0]
 
         return future.then(done)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,39 @@ import torch.distributed as dist
 from torch import nn
 
 MB = 1024 * 1024
+
+Stamp = float | torch.cuda.Event  # a moment: time.perf_counter() seconds, or a CUDA event the GPU passes then
+
+
+def stamp(device: torch.device) -> Stamp:
+    """Now, for work on `device`: time.perf_counter() on the CPU. On CUDA the host only queues the work and runs
+    ahead of it, so the moment is a timing event recorded on the current stream: the GPU passes it once the work
+    queued before it on that stream is done. :func:`on_host_clock` turns such events into seconds."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def on_host_clock(rows: Iterable[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """`rows` with every CUDA event (from :func:`stamp`) replaced by the time.perf_counter() second the GPU
+    passed it, so GPU times and host times share one clock; rows without events come back as they are.
+
+    With events, this synchronizes the current device, then records an anchor event on the idle device and
+    reads the host clock right after it: each event lies its elapsed_time before that anchor.
+    """
+    rows = [tuple(row) for row in rows]
+    if not any(isinstance(value, torch.cuda.Event) for row in rows for value in row):
+        return rows
+    torch.cuda.synchronize()
+    anchor = torch.cuda.Event(enable_timing=True)
+    anchor.record()
+    anchor.synchronize()
+    now = time.perf_counter()
+    return [
+        tuple(now - v.elapsed_time(anchor) / 1e3 if isinstance(v, torch.cuda.Event) else v for v in row) for row in rows
+    ]
 
 
 @dataclass
@@ -40,8 +73,8 @@ class Bucket:
     pending: int = 0  # gradients not yet ready in this backward
     work: dist.Work | None = None  # the in-flight all-reduce
     done_future: torch.futures.Future | None = None
-    launched_at: float = 0.0  # time.perf_counter() when the all-reduce started
-    done_at: float = 0.0  # ... and when it completed
+    launched_at: Stamp = 0.0  # when the all-reduce started (stamp: on CUDA, when the GPU reached it)
+    done_at: Stamp = 0.0  # ... and when it completed
 
     @property
     def nbytes(self) -> int:
@@ -80,7 +113,8 @@ class MinimalDDP(nn.Module):
     """Data parallelism in ~100 lines: broadcast, bucketed asynchronous all-reduce, averaging, no_sync.
 
     Use it like torch DDP: ``model = MinimalDDP(MLP()); loss(model(x), y).backward(); opt.step()``.
-    After ``backward()`` returns, every rank holds the averaged gradient.
+    After ``backward()`` returns, every rank holds the averaged gradient. ``timeline`` says when each bucket's
+    all-reduce ran in the last backward.
     """
 
     def __init__(
@@ -92,7 +126,7 @@ class MinimalDDP(nn.Module):
         self.world_size = dist.get_world_size(process_group)
         self.require_gradient_sync = True
         self._finish_queued = False
-        self.timeline: list[tuple[int, int, float, float]] = []  # (bucket, bytes, start, end) of the last sync
+        self._stamps: list[tuple[int, int, Stamp, Stamp]] = []  # (bucket, bytes, start, end) of the last sync
         self._broadcast_from_rank0()
 
         params = [p for p in module.parameters() if p.requires_grad]
@@ -108,6 +142,15 @@ class MinimalDDP(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
+
+    @property
+    def timeline(self) -> list[tuple[int, int, float, float]]:
+        """(bucket, bytes, start, end) of each all-reduce of the last sync, in time.perf_counter() seconds.
+
+        On CUDA the times are the GPU's (on_host_clock: reading them synchronizes the device, once)."""
+        seconds: list[tuple[int, int, float, float]] = on_host_clock(self._stamps)
+        self._stamps = list(seconds)  # read once: the events become numbers
+        return seconds
 
     @torch.no_grad()
     def _broadcast_from_rank0(self) -> None:
@@ -145,12 +188,14 @@ class MinimalDDP(nn.Module):
             # Divide before summing (as torch DDP does): the sum of N gradients cannot overflow.
             assert p.grad is not None  # every parameter of a bucket has its gradient when the bucket launches
             torch.mul(p.grad.reshape(-1), 1.0 / self.world_size, out=view)
-        bucket.launched_at = time.perf_counter()
+        bucket.launched_at = stamp(bucket.buffer.device)
         work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
         assert work is not None  # async_op=True
 
         def mark_done(_: torch.futures.Future) -> None:
-            bucket.done_at = time.perf_counter()
+            # gloo: runs when the all-reduce has finished. NCCL: runs at once, on a stream that waits for the
+            # all-reduce, so the event stamp records there marks the moment the all-reduce finished.
+            bucket.done_at = stamp(bucket.buffer.device)
 
         bucket.work, bucket.done_future = work, work.get_future().then(mark_done)
 
@@ -176,7 +221,7 @@ class MinimalDDP(nn.Module):
             # Drop the finished work and future: a c10d future that outlives the process group
             # (freed at interpreter exit) can abort the process.
             b.work = b.done_future = None
-        self.timeline = [(b.index, b.nbytes, b.launched_at, b.done_at) for b in self.buckets]
+        self._stamps = [(b.index, b.nbytes, b.launched_at, b.done_at) for b in self.buckets]
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -45,11 +45,18 @@ def global_loader(dataset: Dataset, batch: int, epoch: int, seed: int = 0) -> Da
 @dataclass
 class TrainLog:
     losses: list[float] = field(default_factory=list)  # mean loss over each global batch
-    bytes_sent: list[int] = field(default_factory=list)  # per step, by this process (gloo only)
+    bytes_sent: list[int | None] = field(default_factory=list)  # per step, by this process (None under NCCL)
 
 
-def bytes_written() -> int:
-    """Bytes this process has passed to write()/writev(): on gloo that is what it sent to its peers."""
+def bytes_written() -> int | None:
+    """Bytes this process has passed to write()/writev() (wchar in /proc/self/io): on gloo that is what it
+    sent to its peers (plus a few bytes of output).
+
+    None on a rank under NCCL: NCCL moves GPU tensors through its own transports (NVLink, PCIe, InfiniBand),
+    which this count does not see; it would hold only stdout and the store's traffic.
+    """
+    if dist.is_initialized() and "nccl" in str(dist.get_backend()):
+        return None
     with open("/proc/self/io") as f:
         for line in f:
             if line.startswith("wchar"):
@@ -104,7 +111,8 @@ def train(
                     loss = nn.functional.mse_loss(model(x), y) / accumulation
                     loss.backward()
                 step_loss += loss.detach()
-            log.bytes_sent.append(bytes_written() - sent)
+            after = bytes_written()
+            log.bytes_sent.append(None if sent is None or after is None else after - sent)
             if check_sync:
                 check_gradient_sync(model)
             if max_grad_norm is not None:

@@ -56,18 +56,27 @@ def collectives_in(fn: Callable[[], object], group: dist.ProcessGroup | None = N
     return pg._get_sequence_number_for_group() - before
 
 
+def _synchronize() -> None:
+    """Wait for the current CUDA device's queued work, if this process uses CUDA."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def seconds_per_step(steps: dict[str, Callable[[], object]], repeats: int = 30, warmup: int = 3) -> dict[str, float]:
     """The fastest wall time of each step function, measured in turns (a, b, c, a, b, c, ...).
 
     Taking turns puts every variant under the same load; the fastest of many steps is the one the
     machine disturbed least, so their ratio means something on a busy machine even when their
-    absolute times do not. The first `warmup` turns are not counted.
+    absolute times do not. The first `warmup` turns are not counted. Where CUDA is in use, the clock
+    is read with the device idle (synchronized), so a step's time covers its kernels, not their launch.
     """
     times: dict[str, list[float]] = {name: [] for name in steps}
     for turn in range(warmup + repeats):
         for name, step in steps.items():
+            _synchronize()
             start = time.perf_counter()
             step()
+            _synchronize()
             if turn >= warmup:
                 times[name].append(time.perf_counter() - start)
     return {name: min(t) for name, t in times.items()}

@@ -28,7 +28,7 @@ from course_lib.gpt.layouts import (
     sync_tied_gradients,
     tied_table,
 )
-from course_lib.gpt.measure import counted_flops, device_peak_flops, matmul_flops
+from course_lib.gpt.measure import counted_flops, device_peak_flops, matmul_flops, peak_flops_of
 from course_lib.gpt.model import (
     GPT,
     Embeddings,
@@ -98,6 +98,7 @@ __all__ = [
     "parallelize",
     "parameter_shapes",
     "parameters_before_dp",
+    "peak_flops_of",
     "pipeline_stage",
     "pipeline_step",
     "plain_step",

@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from course_lib.compose.mesh import DIMS
 from course_lib.exercises import ExerciseFailed
+from course_lib.launch.runtime import rank_device
 
 
 def _meshes(world: int) -> list[tuple[int, int, int]]:
@@ -21,10 +22,12 @@ def _meshes(world: int) -> list[tuple[int, int, int]]:
 
 def check_embedding_group(fn: Callable[[DeviceMesh], dist.ProcessGroup | None]) -> None:
     """fn(mesh) -> the group joining this rank's first-stage and last-stage copies of the tied table (same dp
-    and tp coordinates), or None on a middle stage, for (pp, dp, tp) meshes with pp from 2 to 4."""
+    and tp coordinates), or None on a middle stage, for (pp, dp, tp) meshes with pp from 2 to 4. The meshes and
+    the all-reduce that tries the group are on the rank's device."""
     world, me = dist.get_world_size(), dist.get_rank()
+    device = rank_device()
     for pp, dp, tp in [s for s in _meshes(world) if s[0] >= 2]:
-        mesh = DeviceMesh("cpu", torch.arange(world).view(pp, dp, tp), mesh_dim_names=DIMS)
+        mesh = DeviceMesh(device.type, torch.arange(world).view(pp, dp, tp), mesh_dim_names=DIMS)
         p, d, t = mesh.get_coordinate() or (0, 0, 0)
         group = fn(mesh)
         where = f"pp={pp} x dp={dp} x tp={tp}, rank {me} (stage {p})"
@@ -40,7 +43,7 @@ def check_embedding_group(fn: Callable[[DeviceMesh], dist.ProcessGroup | None]) 
         got = dist.get_process_group_ranks(group)
         if sorted(got) != expected:
             raise ExerciseFailed(f"{where}: the group holds ranks {sorted(got)}, expected the two stages' ranks")
-        secret = torch.tensor([float(7 + 3 * me)])
+        secret = torch.tensor([float(7 + 3 * me)], device=device)
         dist.all_reduce(secret, group=group)
         if secret.item() != sum(7 + 3 * r for r in expected):
             raise ExerciseFailed(f"{where}: an all-reduce over the group does not add the two copies")
@@ -54,7 +57,7 @@ def check_rows_on_mesh(fn: Callable) -> None:
     world, me = dist.get_world_size(), dist.get_rank()
     tokens = torch.arange(1000)  # every window is different
     for pp, dp, tp in _meshes(world):
-        mesh = DeviceMesh("cpu", torch.arange(world).view(pp, dp, tp), mesh_dim_names=DIMS)
+        mesh = DeviceMesh(rank_device().type, torch.arange(world).view(pp, dp, tp), mesh_dim_names=DIMS)
         p, d, t = mesh.get_coordinate() or (0, 0, 0)
         global_batch = 3 * dp + 1  # uneven shares whenever dp > 1
         batches = fn(mesh, tokens, 8, global_batch)

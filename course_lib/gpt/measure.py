@@ -13,8 +13,24 @@ from typing import Any
 
 import torch
 
-# fp32 (not TF32) dense peak from the data sheets, FLOP/s: what an fp32 run can reach
-FP32_PEAK = {"H100": 67e12, "H200": 67e12, "A100": 19.5e12, "L40S": 91.6e12, "A10": 31.2e12, "V100": 15.7e12}
+# fp32 (not TF32) dense peak from the data sheets, FLOP/s: what an fp32 run can reach. The first entry whose
+# parts all occur in the device's name (any case) wins, so a variant comes before its family: an H100 PCIe
+# ("NVIDIA H100 PCIe") runs at 51 TFLOP/s where the SXM part ("NVIDIA H100 80GB HBM3") runs at 67, and an
+# A100 is not an A10. The H200 (and the GH200's GPU) has the H100 SXM's compute with more, faster memory; the
+# NVL cards of both run at 60.
+FP32_PEAK: tuple[tuple[tuple[str, ...], float], ...] = (
+    (("H100", "PCIe"), 51e12),
+    (("H100", "NVL"), 60e12),
+    (("H100",), 67e12),
+    (("H200", "NVL"), 60e12),
+    (("H200",), 67e12),
+    (("A100",), 19.5e12),
+    (("L40S",), 91.6e12),
+    (("A10",), 31.2e12),
+    (("V100S",), 16.4e12),
+    (("V100", "PCIe"), 14e12),
+    (("V100",), 15.7e12),
+)
 
 
 def counted_flops(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, int]:
@@ -70,10 +86,15 @@ def matmul_flops(device: torch.device | str = "cpu", n: int | None = None, secon
     return 2 * n**3 * done / (time.perf_counter() - start)
 
 
+def peak_flops_of(name: str) -> float | None:
+    """The data-sheet fp32 peak of the GPU torch.cuda.get_device_name calls `name` (None if unlisted)."""
+    name = name.lower()
+    return next((peak for parts, peak in FP32_PEAK if all(part.lower() in name for part in parts)), None)
+
+
 def device_peak_flops(device: torch.device | str) -> float | None:
     """The data-sheet fp32 peak of one GPU (None on a CPU or an unlisted GPU)."""
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in FP32_PEAK.items() if key in name), None)
+    return peak_flops_of(torch.cuda.get_device_name(device))

@@ -56,7 +56,8 @@ def run_layout(
     # a step lasts as long as its slowest rank; the limit of a moment is the sum of what every rank got then
     seconds = statistics.median(max(t[s] for t in times) for s in times[0]) if times[0] else float("nan")
     limit = statistics.median(sum(b[s] for b in limits) for s in limits[0]) if limits[0] else float("nan")
-    sent = torch.tensor([result["sent"].get(dim, 0.0) for dim in ("tp", "dp", "pp")], dtype=torch.float64)
+    by_dim = [result["sent"].get(dim, 0.0) for dim in ("tp", "dp", "pp")]
+    sent = torch.tensor(by_dim, dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(sent)
     tokens = global_batch * config.seq

@@ -38,17 +38,17 @@ def loss_share(logits: torch.Tensor, targets: torch.Tensor, global_batch: int, d
 def plain_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: ShardedBatches, device: torch.device,
                layout: Layout) -> Callable[[int], torch.Tensor]:  # fmt: skip
     """One process, DDP, FSDP2, FSDP2 x TP: forward, backward (in layout.n_mb micro-batches whose gradients
-    add up), step, on this rank's rows. Returns this rank's part of the global loss: its share over dp x tp
-    (the tp ranks of a dp group hold the same share)."""
+    add up), step, on this rank's rows. Returns this rank's part of the global loss (on `device`): its share
+    over dp x tp (the tp ranks of a dp group hold the same share)."""
 
     def step(s: int) -> torch.Tensor:
         x, y = batches(s)
         optimizer.zero_grad(set_to_none=True)
-        share = torch.zeros(())
+        share = torch.zeros((), device=device)
         for x_m, y_m in zip(x.tensor_split(layout.n_mb), y.tensor_split(layout.n_mb)):
             part = loss_share(model(x_m.to(device)), y_m.to(device), batches.global_batch, layout.dp)
             part.backward()
-            share += part.detach().cpu()
+            share += part.detach()
         optimizer.step()
         return share / (layout.dp * layout.tp)
 
@@ -58,7 +58,7 @@ def plain_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Shar
 def pipeline_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: ShardedBatches,
                   device: torch.device, layout: Layout, mesh: Any) -> Callable[[int], torch.Tensor]:  # fmt: skip
     """PP x FSDP2 x TP: torch.distributed.pipelining's GPipe over "pp", then the tied table's gradients added
-    over the stages, then the step. The last stage's ranks hold the micro-batch losses."""
+    over the stages, then the step. The last stage's ranks hold the micro-batch losses (on `device`)."""
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
     p = mesh["pp"].get_local_rank()
@@ -78,10 +78,15 @@ def pipeline_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: S
         sync_tied_gradients(model, mesh["pp"].get_group())
         optimizer.step()
         if p < layout.pp - 1:
-            return torch.zeros(())
-        return torch.stack([loss.detach().cpu() for loss in losses]).mean() / (layout.dp * layout.tp)
+            return torch.zeros((), device=device)
+        return torch.stack([loss.detach() for loss in losses]).mean() / (layout.dp * layout.tp)
 
     return step
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def train_layout(layout: Layout, steps: int, global_batch: int = 16, lr: float = LR,
@@ -126,8 +131,10 @@ def train_layout(layout: Layout, steps: int, global_batch: int = 16, lr: float =
                 parts.append(step(s))
             result["sent"] = counter.totals()
         else:
+            _synchronize(device)  # the previous step's kernels are not this step's time
             start = time.perf_counter()
             parts.append(step(s))
+            _synchronize(device)  # a step ends when its kernels end, not when they are launched
             if s > result["first_step"]:
                 result["step_seconds"][s] = time.perf_counter() - start
         if after_step is not None:
@@ -136,7 +143,7 @@ def train_layout(layout: Layout, steps: int, global_batch: int = 16, lr: float =
             assert checkpoint is not None
             save(checkpoint, model, optimizer, step=save_at)
             result["fingerprint"] = fingerprint(model, optimizer)
-    losses = torch.stack(parts) if parts else torch.zeros(0)
+    losses = torch.stack(parts) if parts else torch.zeros(0, device=device)
     if world > 1:
         dist.all_reduce(losses)  # every rank's part: the global loss of each step, on every rank
     result["losses"] = losses.tolist()

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.exercises import ExerciseFailed
+from course_lib.launch.runtime import rank_device
 
 
 def _found_inf_cases(world_size: int) -> list[tuple[str, dict[int, float]]]:
@@ -30,12 +31,14 @@ def _found_inf_cases(world_size: int) -> list[tuple[str, dict[int, float]]]:
 def check_found_inf(fn: Callable[[list[torch.Tensor]], torch.Tensor]) -> None:
     """Runs on every rank: `fn(grads)` must return 1.0 on every rank iff some rank has a non-finite gradient.
 
-    After each case the ranks agree (MAX all-reduce) on whether any of them got a wrong answer, so all
-    ranks stop at the same case: the ranks that were wrong raise ExerciseFailed, the others return.
+    The gradients live on the rank's device (its GPU under NCCL), as a model's would. After each case the
+    ranks agree (MAX all-reduce) on whether any of them got a wrong answer, so all ranks stop at the same
+    case: the ranks that were wrong raise ExerciseFailed, the others return.
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    device = rank_device()
     for description, bad in _found_inf_cases(world_size):
-        grads = [torch.randn(4, 3), torch.randn(3)]
+        grads = [torch.randn(4, 3).to(device), torch.randn(3).to(device)]
         if rank in bad:
             grads[1][2] = bad[rank]
         originals = [g.clone() for g in grads]
@@ -51,7 +54,7 @@ def check_found_inf(fn: Callable[[list[torch.Tensor]], torch.Tensor]) -> None:
                 wrong = f"case '{description}': the check changed the gradients; it should only read them"
         except Exception as error:
             wrong = f"case '{description}': your function raised {type(error).__name__}: {error}"
-        anyone_wrong = torch.tensor(1.0 if wrong else 0.0)
+        anyone_wrong = torch.tensor(1.0 if wrong else 0.0, device=device)
         dist.all_reduce(anyone_wrong, op=dist.ReduceOp.MAX)
         if wrong:
             raise ExerciseFailed(wrong)
@@ -68,6 +71,7 @@ def check_clipped_scaler_step(train_step: Callable[..., object]) -> None:
     Each rank holds its own rows of the global batch. After CLIP_STEPS steps, this rank's parameter shards
     and the loss scale must equal those of `amp_training_loop` (fp16 autocast, unscale_, clip, step, update)
     run on an identical model: clipping the scaled gradients, not clipping, or skipping `update` all differ.
+    Model, batches and scaler are on the rank's device (its GPU under NCCL).
     """
     from torch import nn
 
@@ -75,11 +79,13 @@ def check_clipped_scaler_step(train_step: Callable[..., object]) -> None:
     from course_lib.models import MLP, shard_layers_then_root
     from course_lib.precision.train import amp_training_loop, rank_batches
 
-    batches = rank_batches(CLIP_STEPS, 48, torch.device("cpu"), seed=3)
+    device = rank_device()
+    batches = rank_batches(CLIP_STEPS, 48, device, seed=3)
 
     def setup() -> tuple[nn.Module, torch.optim.Optimizer, torch.amp.GradScaler]:
-        model = shard_layers_then_root(MLP(seed=1))
-        return model, torch.optim.SGD(model.parameters(), lr=0.5), torch.amp.GradScaler("cpu", growth_interval=2)
+        model = shard_layers_then_root(MLP(seed=1).to(device))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        return model, optimizer, torch.amp.GradScaler(device.type, growth_interval=2)
 
     model, optimizer, scaler = setup()
     reference, reference_optimizer, reference_scaler = setup()

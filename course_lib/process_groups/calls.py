@@ -60,7 +60,9 @@ class record_calls:
 
     `calls` lists every call the learner's code made (looked up as ``dist.<name>`` at call time, so
     ``import torch.distributed as dist`` in the learner's function is seen). A forbidden call raises
-    ExerciseFailed with `advice`. With `bound_s`, a blocking send or recv raises after that many seconds.
+    ExerciseFailed with `advice`. With `bound_s`, a blocking send or recv raises after that many seconds:
+    for tensors gloo carries (CPU tensors, also on the default group of an NCCL rank, whose CPU part is
+    gloo). NCCL's work.wait does not block the host, so a GPU tensor's send or recv is not bounded.
     """
 
     forbidden: Iterable[str] = ()

@@ -65,11 +65,14 @@ def check_mean_loss(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
     The broken version all-reduces on rank 0 only: rank 0 waits for partners that never come. The
     learner's function runs with a short timeout, so that hang ends in seconds; then every rank compares
     the calls each rank made, through a side group the learner's calls cannot desynchronise.
+    The loss is a CPU tensor on every backend, so gloo carries the learner's all-reduce (under NCCL the
+    default group's CPU part, "cpu:gloo,cuda:nccl"): gloo's lone all-reduce raises at the timeout, where
+    NCCL's would hold the GPU until the watchdog ends the rank, and the learner would read "rank 0 died".
     """
     rank, n = dist.get_rank(), dist.get_world_size()
     side = side_group()
     # Positive, as losses are: the sum of two or more can never equal their mean, so "forgot to divide" always fails.
-    loss = (secret_values().abs() + 1).reshape(1).to(rank_device()) / 4
+    loss = (secret_values().abs() + 1).reshape(1) / 4
     expected = loss.clone()
     dist.all_reduce(expected)
     expected /= n

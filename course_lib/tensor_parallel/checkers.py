@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib.exercises import ExerciseFailed
+from course_lib.launch.runtime import rank_device
 from course_lib.tensor_parallel.layers import RowParallelLinear
 
 
@@ -19,12 +20,13 @@ def check_split_backward(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """fn(grad_slice) -> gradient of the whole input of the split operator.
 
     A RowParallelLinear whose input is not yet split uses `fn` as the backward of its split; the input
-    gradient must equal single-process autograd's on every rank.
+    gradient must equal single-process autograd's on every rank. Layer and input are on the rank's device.
     """
     rank, n = dist.get_rank(), dist.get_world_size()
+    device = rank_device()
     torch.manual_seed(0)
-    full = nn.Linear(12 * n, 5)
-    x = torch.randn(3, 12 * n, requires_grad=True)
+    full = nn.Linear(12 * n, 5).to(device)
+    x = torch.randn(3, 12 * n).to(device).requires_grad_()
     full(x).pow(2).sum().backward()
     assert x.grad is not None
     expected = x.grad.clone()
@@ -64,15 +66,18 @@ def check_row_parallel_forward(fn: Callable[[torch.Tensor, torch.Tensor, torch.T
     """fn(x_slice, weight_slice, bias) -> y = x Wᵀ + b, whole, on every rank.
 
     Rank r holds only its slice of the input features (x_slice, weight_slice: data no other rank has) and
-    the replicated bias; the result must equal the unsharded layer's on every rank, for two widths.
+    the replicated bias, on the rank's device; the result must equal the unsharded layer's on every rank, for
+    two widths.
     """
     rank, n = dist.get_rank(), dist.get_world_size()
+    device = rank_device()
     for seed, rows in ((0, 3), (1, 5)):
         torch.manual_seed(seed)
         full = nn.Linear(4 * n, 6)
         with torch.no_grad():
             full.bias.uniform_(1.0, 2.0)  # far from zero: a bias added N times shows
-        x = torch.randn(rows, 4 * n)
+        full = full.to(device)
+        x = torch.randn(rows, 4 * n).to(device)
         expected = full(x).detach()
         mine = slice(4 * rank, 4 * (rank + 1))
         got = fn(x[:, mine].clone(), full.weight.detach()[:, mine].clone(), full.bias.detach().clone())
@@ -81,10 +86,11 @@ def check_row_parallel_forward(fn: Callable[[torch.Tensor, torch.Tensor, torch.T
             raise ExerciseFailed(
                 f"rank {rank}: y should have the whole output's shape {tuple(expected.shape)}, got {shape}"
             )
-        wrong = ~torch.isclose(got.detach(), expected, atol=1e-5, rtol=1e-4)
+        got = got.detach().to(expected.device)
+        wrong = ~torch.isclose(got, expected, atol=1e-5, rtol=1e-4)
         if wrong.any():
             i, j = (int(v) for v in wrong.nonzero()[0])
-            offset = (got.detach() - expected) / full.bias.detach()
+            offset = (got - expected) / full.bias.detach()
             same = bool(torch.allclose(offset, offset[0, 0].expand_as(offset), atol=1e-3))
             hint = f" (every element is off by {offset[0, 0].item():.3g} times its column's bias)" if same else ""
             raise ExerciseFailed(

@@ -17,7 +17,7 @@ def found_inf(grads):
     import torch
     import torch.distributed as dist
 
-    found = torch.zeros(())
+    found = torch.zeros((), device=grads[0].device)  # where the gradients are: NCCL reduces GPU tensors
     for grad in grads:
         if not torch.isfinite(grad).all():
             found.fill_(1.0)

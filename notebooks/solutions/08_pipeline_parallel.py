@@ -37,7 +37,7 @@ def pipeline_step(stage_module, x, y):
     first, last = rank == 0, rank == world - 1
     inp = x
     if not first:
-        inp = torch.empty(x.shape[0], 64)  # the activations between stages are 64 wide
+        inp = torch.empty(x.shape[0], 64, device=x.device)  # the activations between stages are 64 wide
         dist.recv(inp, src=rank - 1)
         inp.requires_grad_()
     out = stage_module(inp)

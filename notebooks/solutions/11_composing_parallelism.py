@@ -31,7 +31,7 @@ def make_micro_batches(x, y, micro_batch_size):
     import torch
     import torch.distributed as dist
 
-    rows = torch.tensor([len(x)])
+    rows = torch.tensor([len(x)], device=x.device)  # where the rows are: NCCL reduces GPU tensors
     dist.all_reduce(rows, op=dist.ReduceOp.MAX)  # every rank runs as many micro-batches as the fullest needs
     n = -(-int(rows) // micro_batch_size)
     return list(zip(x.tensor_split(n), y.tensor_split(n)))
