@@ -21,7 +21,7 @@ import nbformat
 import pytest
 from notebook_kit import fake_gpus_code, write_notebook
 
-from course_lib.launch import backend, runner
+from course_lib.launch import backend, probe, runner
 
 ROOT = runner.ROOT
 LAUNCH = ROOT / "launch"
@@ -240,7 +240,7 @@ def test_multinode_local_fails_when_a_node_fails(sandbox):
 def fake_node(monkeypatch):
     """fake_node(G): the probe's kernels and the runner see G GPUs; papermill is not run. Returns its calls."""
     ran: list[tuple[str, dict]] = []
-    original = runner.probe_kernel
+    original = probe.start_kernel
 
     def fake(gpus: int) -> list[tuple[str, dict]]:
         def kernel(cwd, tmp):
@@ -252,7 +252,7 @@ def fake_node(monkeypatch):
             ran.append((path.stem, parameters))
             return runner.Outcome(path.stem, "ok", 0.0)
 
-        monkeypatch.setattr(runner, "probe_kernel", kernel)
+        monkeypatch.setattr(probe, "start_kernel", kernel)
         monkeypatch.setattr(runner, "run_notebook", run_notebook)
         monkeypatch.setattr(backend, "available_gpus", lambda: gpus)
         return ran
@@ -320,7 +320,7 @@ def test_runner_without_the_option_asks_no_probe(monkeypatch, tmp_path, capsys):
     """Without --nproc-up-to the runner runs what it is given, as before, and shows NPROC and backend."""
     path = write_notebook(tmp_path / "94_plain.ipynb", PARAMETERS, "pass")
     ran = []
-    monkeypatch.setattr(runner, "probe_kernel", lambda cwd, tmp: pytest.fail("probed without --nproc-up-to"))
+    monkeypatch.setattr(probe, "start_kernel", lambda cwd, tmp: pytest.fail("probed without --nproc-up-to"))
     monkeypatch.setattr(
         runner,
         "run_notebook",

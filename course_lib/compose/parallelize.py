@@ -99,8 +99,8 @@ def unsharded_gradients(blocks: nn.Module, first_block: int = 0) -> dict[str, to
 
 
 def reference_grads(n_blocks: int, x: torch.Tensor, y: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
-    """Single-process training on the whole global batch: the loss and every gradient."""
-    model = make_model(n_blocks)
+    """Single-process training on the whole global batch, on x's device: the loss and every gradient."""
+    model = make_model(n_blocks).to(x.device)
     loss = loss_fn(model(x), y)
     loss.backward()
     return loss.item(), full_gradients(model)

@@ -8,9 +8,12 @@ The runner asks this to pick each notebook's NPROC on a GPU node; the tests ask 
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import nbformat
 
 CHECK_WITHIN = 3  # params.check( must be in one of a notebook's first code cells
 
@@ -81,3 +84,41 @@ class Setup:
             if name:
                 break
         return name, message, seconds
+
+
+class ProbeError(Exception):
+    """A notebook's setup cells failed otherwise than by refusing NPROC, or it has none to ask."""
+
+
+def start_kernel(cwd: Path, tmp: Path) -> Kernel:
+    """A kernel in the notebook's directory, for its parameters and setup cells alone."""
+    return Kernel(cwd, kernel_env(tmp), tmp / "kernel-ipc")
+
+
+def choose_nproc(path: Path, up_to: int, parameters: dict) -> tuple[int | None, str]:
+    """(the largest NPROC from `up_to` down to 1 that the notebook accepts with `parameters`, "").
+
+    The notebook's own check decides (`params.check` in its setup cells). (None, the refusal of
+    NPROC=1: a ParameterError message naming the values that work) when it accepts none.
+    """
+    nb = nbformat.read(path, as_version=4)
+    try:
+        setup_cells(nb)
+    except (ValueError, StopIteration) as error:  # StopIteration: no cell tagged parameters
+        raise ProbeError(f"cannot choose NPROC: {error or 'no cell tagged parameters'}") from None
+    with tempfile.TemporaryDirectory(prefix="course-probe-") as tmp:
+        kernel = start_kernel(path.parent, Path(tmp))
+        try:
+            setup, refusal = Setup(nb, kernel), ""
+            for nproc in range(up_to, 0, -1):
+                name, message, _ = setup.run(**{**parameters, "NPROC": nproc})
+                if not name:
+                    return nproc, ""
+                if name != "ParameterError":
+                    raise ProbeError(f"setup cells with NPROC={nproc}: {name}: {message}"[:200])
+                refusal = message
+            return None, refusal
+        except RuntimeError as error:  # the parameters cell itself raised
+            raise ProbeError(str(error)[:200]) from None
+        finally:
+            kernel.close()

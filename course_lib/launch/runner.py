@@ -107,44 +107,6 @@ def planned_backend(nproc: object, backend: object) -> str:
         return str(backend)
 
 
-class ProbeError(Exception):
-    """A notebook's setup cells failed otherwise than by refusing NPROC, or it has none to ask."""
-
-
-def probe_kernel(cwd: Path, tmp: Path) -> probe.Kernel:
-    """A kernel in the notebook's directory, for its parameters and setup cells alone."""
-    return probe.Kernel(cwd, probe.kernel_env(tmp), tmp / "kernel-ipc")
-
-
-def choose_nproc(path: Path, up_to: int, parameters: dict) -> tuple[int | None, str]:
-    """(the largest NPROC from `up_to` down to 1 that the notebook accepts with `parameters`, "").
-
-    The notebook's own check decides (`params.check` in its setup cells). (None, the refusal of
-    NPROC=1: a ParameterError message naming the values that work) when it accepts none.
-    """
-    nb = nbformat.read(path, as_version=4)
-    try:
-        probe.setup_cells(nb)
-    except (ValueError, StopIteration) as error:  # StopIteration: no cell tagged parameters
-        raise ProbeError(f"cannot choose NPROC: {error or 'no cell tagged parameters'}") from None
-    with tempfile.TemporaryDirectory(prefix="course-probe-") as tmp:
-        kernel = probe_kernel(path.parent, Path(tmp))
-        try:
-            setup, refusal = probe.Setup(nb, kernel), ""
-            for nproc in range(up_to, 0, -1):
-                name, message, _ = setup.run(**{**parameters, "NPROC": nproc})
-                if not name:
-                    return nproc, ""
-                if name != "ParameterError":
-                    raise ProbeError(f"setup cells with NPROC={nproc}: {name}: {message}"[:200])
-                refusal = message
-            return None, refusal
-        except RuntimeError as error:  # the parameters cell itself raised
-            raise ProbeError(str(error)[:200]) from None
-        finally:
-            kernel.close()
-
-
 def describe_failure(output_nb: Path, error: BaseException) -> str:
     """'cell 7, rank 1: ZeroDivisionError' from papermill's error and the executed notebook."""
     count = getattr(error, "exec_count", None)  # papermill's PapermillExecutionError has it
@@ -231,9 +193,9 @@ def run_one(path: Path, output: Path, parameters: dict, args: argparse.Namespace
     start = time.monotonic()
     if args.nproc_up_to is not None:
         try:
-            nproc, refusal = choose_nproc(path, args.nproc_up_to, parameters)
+            nproc, refusal = probe.choose_nproc(path, args.nproc_up_to, parameters)
         except Exception as error:  # ProbeError, a kernel that did not start or answer
-            detail = str(error) if isinstance(error, ProbeError) else f"{type(error).__name__}: {error}"[:120]
+            detail = str(error) if isinstance(error, probe.ProbeError) else f"{type(error).__name__}: {error}"[:120]
             return Outcome(path.stem, "FAILED", time.monotonic() - start, detail)
         if nproc is None:
             print(f"  skipped: it accepts no NPROC from 1 to {args.nproc_up_to}", flush=True)
