@@ -334,7 +334,7 @@ def test_uneven_batches_and_the_reference():
     assert compare.max_difference(model, MLP()) == 0.0  # the reference trains a copy
 
 
-def test_branches_and_step_timing():
+def test_branches_and_step_timing(monkeypatch):
     model = ddp.MLPWithBranches()
     x = torch.randn(5, 32)
     assert torch.equal(model(x), model.trunk(x))
@@ -342,16 +342,26 @@ def test_branches_and_step_timing():
     assert ddp.branch_indices(model) == [10, 11, 12, 13]
     assert ddp.branch_indices(torch.nn.ModuleDict({"module": model})) == [10, 11, 12, 13]
 
-    import time
+    # A clock that only the steps move: "slow" costs 3 s, "fast" 1 s, the warm-up turn and one disturbed turn more.
+    from types import SimpleNamespace
 
+    from course_lib.ddp import unused
+
+    now = [0.0]
+    monkeypatch.setattr(unused, "time", SimpleNamespace(perf_counter=lambda: now[0]))
     calls = []
-    seconds = ddp.seconds_per_step(
-        {"fast": lambda: calls.append("fast"), "slow": lambda: (calls.append("slow"), time.sleep(0.002))},
-        repeats=5,
-        warmup=1,
-    )
+
+    def step(name: str, cost: float):
+        def run():
+            turn = calls.count(name)
+            calls.append(name)
+            now[0] += cost + (100.0 if turn == 0 else 50.0 if turn == 3 else 0.0)
+
+        return run
+
+    seconds = ddp.seconds_per_step({"fast": step("fast", 1.0), "slow": step("slow", 3.0)}, repeats=5, warmup=1)
     assert calls == ["fast", "slow"] * 6  # in turns, warm-up included
-    assert seconds["slow"] >= 0.002 > seconds["fast"]
+    assert seconds == {"fast": 1.0, "slow": 3.0}  # the least disturbed turn, the warm-up not counted
 
 
 def test_stamps_on_the_cpu_are_host_seconds_and_cuda_events_come_back_on_the_host_clock(monkeypatch):

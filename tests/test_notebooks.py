@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -21,7 +22,6 @@ from course_lib import params
 from course_lib.launch import probe, runner
 
 NOTEBOOKS = runner.find_notebooks([])
-REFUSAL_S = 5.0  # a warm kernel refuses a bad NPROC in this many seconds at most
 
 
 def outputs_text(nb) -> list[str]:
@@ -38,6 +38,7 @@ RANK_COUNTS = [int(n) for n in os.environ.get("TEST_NPROCS", "1,4").split(",")]
 
 
 @pytest.mark.notebook
+@pytest.mark.timeout(1800)  # a whole notebook (13 at NPROC 4 took over 300 s in CI); a hung cell fails first, at 600 s
 @pytest.mark.parametrize("nproc", RANK_COUNTS)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs_at_nproc_or_refuses_it_at_once(path, nproc, tmp_path, probe_kernel):
@@ -45,8 +46,11 @@ def test_notebook_runs_at_nproc_or_refuses_it_at_once(path, nproc, tmp_path, pro
     probe_kernel.close()  # not needed beside the notebook's own kernel
     if name:
         assert name == "ParameterError" and "Values from 1 to 8 that work" in message, (name, message)
-        return  # refused in its first cells (how fast: test_every_nproc_from_1_to_8_runs_or_is_refused_at_once)
-    assert runner.main([str(path), "-p", "NPROC", str(nproc), "--out", str(tmp_path), "--no-progress"]) == 0
+        return  # refused in its first cells, which start no rank (test_parameters_are_checked_in_the_first_cells)
+    assert (
+        runner.main([str(path), "-p", "NPROC", str(nproc), "--out", str(tmp_path), "--timeout", "600", "--no-progress"])
+        == 0
+    )
     executed = nbformat.read(tmp_path / path.name, as_version=4)
     injected = [c.source for c in executed.cells if "injected-parameters" in c.metadata.get("tags", [])]
     assert injected and f"NPROC = {nproc}" in injected[0], f"papermill did not inject NPROC = {nproc}"
@@ -106,27 +110,28 @@ def test_runner_leaves_no_session_behind(tmp_path):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_parameters_are_checked_in_the_first_cells(path):
-    probe.setup_cells(nbformat.read(path, as_version=4))
+    """Before its check, a notebook starts no rank: a refusal comes from cells that only import and compute."""
+    _, cells = probe.setup_cells(nbformat.read(path, as_version=4))
+    starting_ranks = re.compile(r"%%?torchrun|%dist|%%?px|(?<![.\w])(check|launch)\(|subprocess\.\w+\(")
+    assert not [(i, m.group()) for i, cell in enumerate(cells) for m in starting_ranks.finditer(cell)]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_every_nproc_from_1_to_8_runs_or_is_refused_at_once(path, probe_kernel):
-    """The setup cells either accept NPROC or raise ParameterError naming the values that work, in seconds."""
+    """The setup cells either accept NPROC or raise ParameterError naming the values that work."""
     setup = probe.Setup(nbformat.read(path, as_version=4), probe_kernel)
     name, message, _ = setup.run()  # the notebook's own parameters first: they work, and imports are warm after
     assert name == "", f"the notebook's default parameters fail: {name}: {message}"
 
     works, refused, problems = [], {}, []
     for nproc in params.TRIED_ON_CPU:
-        name, message, seconds = setup.run(NPROC=nproc, BACKEND="auto")
+        name, message, _ = setup.run(NPROC=nproc, BACKEND="auto")
         if not name:
             works.append(nproc)
             continue
         refused[nproc] = message
         if name != "ParameterError":
             problems.append(f"NPROC={nproc}: {name}: {message} (expected ParameterError or no error)")
-        if seconds > REFUSAL_S:
-            problems.append(f"NPROC={nproc}: refused after {seconds:.1f} s, not at once (limit {REFUSAL_S} s)")
     good = ", ".join(str(n) for n in works)
     for nproc, message in refused.items():
         if f"Values from 1 to 8 that work: {good}" not in message:
@@ -135,9 +140,9 @@ def test_every_nproc_from_1_to_8_runs_or_is_refused_at_once(path, probe_kernel):
     assert problems == [], "\n".join(problems)
 
     if not torch.cuda.is_available():  # nccl needs a GPU per rank: refused at once on this machine
-        name, message, seconds = setup.run(NPROC=works[0], BACKEND="nccl")
+        name, message, _ = setup.run(NPROC=works[0], BACKEND="nccl")
         assert name == "ParameterError", f"BACKEND='nccl' on a machine without GPUs: {name or 'accepted'} {message}"
-        assert "nccl" in message and seconds <= REFUSAL_S, (message, seconds)
+        assert "nccl" in message, message
 
 
 def test_runner_names_a_rank_only_for_rank_errors():

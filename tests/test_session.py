@@ -1,7 +1,8 @@
 """The persistent session (`%dist` + `%%px`) through real IPython kernels, as a notebook drives it.
 
-One kernel holds one 2-rank gloo session that the tests share in file order (start-up is the slow
-part); the failure tests use a 3 s process-group timeout. A second kernel checks that two sessions
+One kernel holds one 2-rank gloo session that the tests share (start-up is the slow part): the `session`
+fixture hands it over healthy, starting or restarting it after a test that broke or stopped it, so the tests
+run in any order; the failure tests use a 3 s process-group timeout. A second kernel checks that two sessions
 do not collide and that its shutdown leaves none of its processes. Leftovers are counted as `ps`
 shows them, not only by the pids the session recorded: every process whose command line names the
 kernel's temporary folder (its TMPDIR holds each session folder and `%%torchrun` run directory), and
@@ -158,30 +159,39 @@ def kernel(tmp_path_factory):
     k = Kernel(tmp_path_factory.mktemp("kernel"))
     yield k
     k.kc.stop_channels()
-    k.km.shutdown_kernel(now=True)  # killed already by the last test
+    k.km.shutdown_kernel(now=True)
     # After a failed test, end what it left (the tests have said so): nothing but this module's processes.
     for pid in _naming(tmp_path_factory.getbasetemp()):
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
 
 
+NO_PROCESS = (  # in the kernel: starting any process fails, so a refusal must come before one starts
+    "import subprocess\n_popen = subprocess.Popen\n"
+    "def _no_process(*args, **kwargs):\n    raise AssertionError('a process was started for refused input')\n"
+    "subprocess.Popen = _no_process"
+)
+
+
 def test_bad_input_is_refused_at_once(kernel):
-    kernel.run("import torch")  # the backend check imports torch: seconds on a loaded machine, once
-    for code, expected in [
+    cases = [
         ("%%px\nprint(rank)", "run %dist start -n N first"),
         ("%px print(rank)", "run %dist start -n N first"),
         ("%dist start -n 0", "-n must be at least 1 rank"),
         ("%dist start -n 2 --backend mpi", "unknown backend"),
         ("%dist start -n 2 --timeout never", "--timeout takes a number"),
         ("%dist status", "run %dist start -n N first"),
-    ]:
-        start = time.monotonic()
-        _, error = kernel.run(code)
-        assert expected in error, (code, error)
-        assert time.monotonic() - start < 5, code
+    ]
     if not _gpus():
-        _, error = kernel.run("%dist start -n 2 --backend nccl")
-        assert "needs CUDA GPUs" in error
+        cases.append(("%dist start -n 2 --backend nccl", "needs CUDA GPUs"))
+    kernel.run("%dist stop")  # these need a kernel without a session, whatever an earlier test left
+    assert not kernel.run(NO_PROCESS)[1]
+    try:
+        for code, expected in cases:
+            _, error = kernel.run(code)
+            assert expected in error and "a process was started" not in error, (code, error)
+    finally:
+        assert not kernel.run("subprocess.Popen = _popen")[1]
 
 
 def _gpus() -> int:
@@ -190,8 +200,23 @@ def _gpus() -> int:
     return torch.cuda.device_count()
 
 
+START = f"%dist start -n 2 --backend gloo --timeout {TIMEOUT_S}"
+
+
+@pytest.fixture
+def session(kernel):
+    """The module's kernel with a 2-rank session whose ranks all answer a collective."""
+    _, error = kernel.run("%%px\ndist.all_reduce(torch.ones(1))")
+    if "run %dist start -n N first" in error:
+        assert not kernel.run(START)[1]
+    elif error:  # a dead rank or a broken process group, left by a failure test
+        assert not kernel.run("%dist restart")[1]
+    return kernel
+
+
 def test_start_state_persists_output_in_rank_order(kernel):
-    out, error = kernel.run(f"%dist start -n 2 --backend gloo --timeout {TIMEOUT_S}")
+    kernel.run("%dist stop")  # whatever an earlier test left: this one starts a session itself
+    out, error = kernel.run(START)
     assert not error, error
     assert re.fullmatch(r"session: 2 ranks, backend gloo, started in [0-9.]+ s\n", out), out
     _, error = kernel.run("%%px\nx = torch.full((2,), float(rank + 1))\ndist.all_reduce(x)")
@@ -211,25 +236,27 @@ def test_start_state_persists_output_in_rank_order(kernel):
     assert "already running" in error and "%dist restart" in error, error
 
 
-def test_a_rank_raises_names_rank_exception_and_line(kernel):
-    _, error = kernel.run("%%px\ny = 1\nif rank == 1:\n    raise ValueError('boom on one rank')")
+def test_a_rank_raises_names_rank_exception_and_line(session):
+    assert not session.run("%px x = rank + 1")[1]
+    _, error = session.run("%%px\ny = 1\nif rank == 1:\n    raise ValueError('boom on one rank')")
     assert "rank 1 raised ValueError: boom on one rank (cell line 3)" in error, error
     assert "rank 0 raised" not in error
-    out, error = kernel.run("%%px\nprint(y, x.tolist())")
-    assert out == by_rank("1 [3.0, 3.0]", "1 [3.0, 3.0]"), (out, error)
+    out, error = session.run("%%px\nprint(y, x)")  # what the ranks held before, and what the cell set first
+    assert out == by_rank("1 1", "1 2"), (out, error)
 
 
-def test_status(kernel):
-    out, error = kernel.run("%dist status")
+def test_status(session):
+    out, error = session.run("%dist status")
     assert not error, error
     assert "2 ranks, backend gloo, collective timeout 3 s: all alive" in out, out
     assert re.search(r"rank 1: pid \d+, \d+ MiB resident", out), out
 
 
-def test_two_kernels_do_not_collide_and_shutdown_leaves_nothing(kernel, tmp_path):
+def test_two_kernels_do_not_collide_and_shutdown_leaves_nothing(session, tmp_path):
+    kernel = session
     other = Kernel(tmp_path)
     try:
-        _, error = other.run(f"%dist start -n 2 --backend gloo --timeout {TIMEOUT_S}")
+        _, error = other.run(START)
         assert not error, error
         (pids_a, folder_a), (pids_b, folder_b) = kernel.session_pids(), other.session_pids()
         assert folder_a != folder_b and not set(pids_a) & set(pids_b)
@@ -249,15 +276,16 @@ def test_two_kernels_do_not_collide_and_shutdown_leaves_nothing(kernel, tmp_path
     assert kernel.run("%px print(v)")[0] == by_rank("a0", "a1")
 
 
-def test_collective_not_every_rank_enters_ends_at_the_timeout(kernel):
+def test_collective_not_every_rank_enters_ends_at_the_timeout(session):
     start = time.monotonic()
-    _, error = kernel.run("%%px --targets 0\ndist.all_reduce(torch.ones(1))")
+    _, error = session.run("%%px --targets 0\ndist.all_reduce(torch.ones(1))")
     assert time.monotonic() - start < TIMEOUT_S + 10
     assert "rank 0 waited in a collective that not every rank entered" in error, error
     assert "process group is now broken: run %dist restart" in error, error
 
 
-def test_interrupt_stops_the_ranks_cell(kernel):
+def test_interrupt_stops_the_ranks_cell(session):
+    kernel = session
     timer = threading.Timer(3, kernel.km.interrupt_kernel)
     timer.start()
     start = time.monotonic()
@@ -293,7 +321,8 @@ def _with_children(kernel: Kernel) -> tuple[Path, set[int]]:
     return folder, sids
 
 
-def test_restart_ends_every_process_of_the_old_session(kernel):
+def test_restart_ends_every_process_of_the_old_session(session):
+    kernel = session
     old, sids = _with_children(kernel)
     out, error = kernel.run("%dist restart")
     assert out.startswith("session: 2 ranks") and not error, (out, error)
@@ -304,8 +333,8 @@ def test_restart_ends_every_process_of_the_old_session(kernel):
     assert out == by_rank("0", "1"), (out, error)
 
 
-def test_a_dead_rank_is_named_within_10_s(kernel):
-    _with_children(kernel)  # rank 1's is left an orphan in its session: %dist stop ends it
+def test_a_dead_rank_is_named_within_10_s(session):
+    kernel = session
     pids, _ = kernel.session_pids()
     threading.Timer(2, os.kill, (pids[-1], signal.SIGKILL)).start()  # rank 1's engine
     start = time.monotonic()
@@ -318,11 +347,13 @@ def test_a_dead_rank_is_named_within_10_s(kernel):
     assert re.search(r"rank 1( \(SIGKILL\))? died", error), error  # the signal once torchrun has reported it
 
 
-def test_stop_leaves_no_process_and_no_folder(kernel):
-    pids, folder = kernel.session_pids()  # controller, agent, both engines (rank 1 killed, rank 0 ended by the agent)
+def test_stop_leaves_no_process_and_no_folder(session):
+    kernel = session
+    pids, folder = kernel.session_pids()  # controller, agent, both engines
     assert oct(folder.stat().st_mode & 0o777) == "0o700"
-    assert "child-of-a-rank" in " ".join(_naming(kernel.tmp).values())  # the dead rank's, at least
-    sids = _sessions(kernel.tmp)
+    _, sids = _with_children(kernel)
+    threading.Timer(1, os.kill, (pids[-1], signal.SIGKILL)).start()  # rank 1's child is left an orphan: stop ends it
+    kernel.run("%%px\nimport time\ntime.sleep(60)")
     out, error = kernel.run("%dist stop")
     assert out == "session stopped\n", (out, error)
     assert _alive(pids) == [] and not folder.exists()
@@ -331,9 +362,10 @@ def test_stop_leaves_no_process_and_no_folder(kernel):
     assert "run %dist start -n N first" in error
 
 
-def test_a_killed_kernel_leaves_nothing(kernel):
+def test_a_killed_kernel_leaves_nothing(tmp_path):
     """Nothing of the kernel's session or of its running %%torchrun cell, nor what their ranks started."""
-    _, error = kernel.run(f"%dist start -n 2 --backend gloo --timeout {TIMEOUT_S}")
+    kernel = Kernel(tmp_path)
+    _, error = kernel.run(START)
     assert not error, error
     pids, folder = kernel.session_pids()
     assert len(_alive(pids)) == 4
@@ -347,6 +379,7 @@ def test_a_killed_kernel_leaves_nothing(kernel):
     assert _gone_within(pids, 10) == []
     assert _left_after(kernel.tmp, sids) == {}
     assert not folder.exists()
+    kernel.kc.stop_channels()
 
 
 def test_an_nccl_rank_aborted_by_the_watchdog_is_explained():
