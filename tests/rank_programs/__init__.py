@@ -7,6 +7,7 @@ on N gloo ranks with the course's launcher and returns each rank's dict, indexed
 from __future__ import annotations
 
 import inspect
+import re
 import textwrap
 from collections.abc import Callable
 from typing import Any
@@ -39,3 +40,72 @@ def run_source(program: Callable[..., dict], nproc: int, **kwargs: Any) -> list[
     body += f"\nresult = {program.__name__}(rank, world_size, **program_kwargs)\n"
     done = launch(body, nproc, backend="gloo", out=["result"], push={"program_kwargs": kwargs}, write=quiet)
     return done.values["result"]
+
+
+# ---- exercise checkers: every answer judged in one launch -----------------------------------------
+
+
+def reference(fn: Callable) -> str:
+    """How a rank finds `fn`: "module:name" for course_lib, "path:name" for a test module or a solutions file
+    (which the rank runs afresh, with NPROC set to its world size, as the notebook would)."""
+    if fn.__module__.startswith("course_lib."):
+        return f"{fn.__module__}:{fn.__qualname__}"
+    return f"{fn.__code__.co_filename}:{fn.__name__}"
+
+
+def judge_program(rank: int, world_size: int, cases: list[tuple[str, str]]) -> dict:
+    """Each (answer, checker) in turn: "ok", the checker's ExerciseFailed message, or what else was raised."""
+    import importlib
+    import runpy
+
+    import torch.distributed as dist
+
+    from course_lib.exercises import ExerciseFailed
+
+    files: dict[str, dict] = {}
+
+    def find(ref: str) -> Callable:
+        where, name = ref.rsplit(":", 1)
+        if where.endswith(".py"):
+            if where not in files:
+                files[where] = runpy.run_path(where, init_globals={"NPROC": world_size})
+            return files[where][name]
+        return getattr(importlib.import_module(where), name)
+
+    verdicts = []
+    for index, (answer, checker) in enumerate(cases):
+        try:
+            find(checker)(find(answer))
+            verdicts.append("ok")
+        except ExerciseFailed as error:
+            verdicts.append(str(error))
+        except Exception as error:  # what check() reports as "your function raised"
+            verdicts.append(f"raised {type(error).__name__}: {error}")
+        steps: list[Any] = [None] * world_size
+        dist.all_gather_object(steps, index)
+        if len(set(steps)) != 1:
+            raise RuntimeError(f"{answer} left the ranks out of step ({steps}): judge it in a launch of its own")
+    return {"verdicts": verdicts}
+
+
+def judge(cases: list[tuple[Callable, Callable]], nproc: int, **launch_options: Any) -> list[list[str]]:
+    """Judge every (answer, checker) in one launch of `nproc` ranks: for each case, each rank's verdict.
+
+    Only for answers that leave every rank in step: one that sends a rank into a collective the others skip
+    hangs the launch (check() gives such an answer a world of its own).
+    """
+    refs = [(reference(answer), reference(checker)) for answer, checker in cases]
+    launch_options.setdefault("timeout", 300)
+    ranks = run(judge_program, nproc, kwargs={"cases": refs}, **launch_options)
+    return [[r["verdicts"][i] for r in ranks] for i in range(len(cases))]
+
+
+def assert_checker(checker: Callable, right: Callable, wrong: dict[Callable, str | re.Pattern], nproc: int = 3) -> None:
+    """One launch: `right` passes on every rank, and each wrong answer fails on some rank with a message that
+    contains what the test says it must, or matches it (a pattern): the reason the checker gives, not any failure."""
+    verdicts = judge([(answer, checker) for answer in (right, *wrong)], nproc)
+    assert verdicts[0] == ["ok"] * nproc, (right.__name__, verdicts[0])
+    for (answer, says), per_rank in zip(wrong.items(), verdicts[1:]):
+        failed = [verdict for verdict in per_rank if verdict != "ok"]
+        found = [v for v in failed if (says.search(v) if isinstance(says, re.Pattern) else says in v)]
+        assert found, (answer.__name__, says, per_rank)
