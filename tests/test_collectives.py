@@ -12,8 +12,8 @@ import torch.distributed as dist
 from course_lib import collectives
 from course_lib.exercises import check, check_prediction
 from course_lib.launch import launch
+from tests.rank_programs import assert_judged, judge, quiet, run
 from tests.rank_programs import collectives as rank_programs
-from tests.rank_programs import judge, quiet, run
 
 
 # One launch per world size: every size and operation is checked inside it (a launch costs seconds).
@@ -275,12 +275,10 @@ WRONG = [
 
 def test_solutions_pass_and_wrong_answers_fail_on_3_ranks():
     answers = solutions(3)
-    cases = [(answers[name], getattr(collectives, checker)) for name, checker in SOLVED]
-    cases += [(globals()[wrong], getattr(collectives, checker)) for wrong, checker, _ in WRONG]
-    verdicts = judge(cases, 3)
-    assert verdicts[: len(SOLVED)] == [["ok"] * 3] * len(SOLVED), verdicts
-    for (wrong, _, fragment), per_rank in zip(WRONG, verdicts[len(SOLVED) :]):
-        assert all(verdict != "ok" and fragment in verdict for verdict in per_rank), (wrong, per_rank)
+    assert_judged(
+        [(answers[name], getattr(collectives, checker)) for name, checker in SOLVED],
+        [(globals()[wrong], getattr(collectives, checker), says) for wrong, checker, says in WRONG],
+    )
 
 
 @pytest.mark.parametrize("nproc", [2, 4])

@@ -11,7 +11,7 @@ import pytest
 
 from course_lib import process_groups
 from course_lib.exercises import check, check_prediction
-from tests.rank_programs import judge, run
+from tests.rank_programs import assert_judged, judge, run
 from tests.rank_programs import process_groups as programs
 
 SOLUTIONS = str(Path(__file__).parents[1] / "notebooks" / "solutions" / "00_torchrun_and_process_groups.py")
@@ -131,12 +131,10 @@ WRONG = [
 def test_solutions_pass_and_wrong_answers_fail_on_3_ranks():
     """One launch judges every case; each wrong answer fails on every rank at the same call."""
     answers = solutions(3)
-    cases = [(answers[name], getattr(process_groups, checker)) for name, checker in SOLVED]
-    cases += [(globals()[wrong], getattr(process_groups, checker)) for wrong, checker, _ in WRONG]
-    verdicts = judge(cases, 3)
-    assert verdicts[: len(SOLVED)] == [["ok"] * 3] * len(SOLVED), verdicts
-    for (wrong, _, fragment), per_rank in zip(WRONG, verdicts[len(SOLVED) :]):
-        assert all(verdict != "ok" and fragment in verdict for verdict in per_rank), (wrong, per_rank)
+    assert_judged(
+        [(answers[name], getattr(process_groups, checker)) for name, checker in SOLVED],
+        [(globals()[wrong], getattr(process_groups, checker), says) for wrong, checker, says in WRONG],
+    )
 
 
 SOLVED = [("rank_sum", "check_rank_sum"), ("gather_values", "check_gather_values"), ("mean_loss", "check_mean_loss")]

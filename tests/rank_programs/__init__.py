@@ -100,12 +100,21 @@ def judge(cases: list[tuple[Callable, Callable]], nproc: int, **launch_options: 
     return [[r["verdicts"][i] for r in ranks] for i in range(len(cases))]
 
 
-def assert_checker(checker: Callable, right: Callable, wrong: dict[Callable, str | re.Pattern], nproc: int = 3) -> None:
-    """One launch: `right` passes on every rank, and each wrong answer fails on some rank with a message that
-    contains what the test says it must, or matches it (a pattern): the reason the checker gives, not any failure."""
-    verdicts = judge([(answer, checker) for answer in (right, *wrong)], nproc)
-    assert verdicts[0] == ["ok"] * nproc, (right.__name__, verdicts[0])
-    for (answer, says), per_rank in zip(wrong.items(), verdicts[1:]):
+def assert_judged(
+    right: list[tuple[Callable, Callable]], wrong: list[tuple[Callable, Callable, str | re.Pattern]], nproc: int = 3
+) -> None:
+    """One launch: each (answer, checker) of `right` passes on every rank, and each (answer, checker, says) of
+    `wrong` fails on some rank with a message that contains `says`, or matches it (a pattern): the reason the
+    checker gives, not any failure."""
+    verdicts = judge([*right, *[(answer, checker) for answer, checker, _ in wrong]], nproc)
+    for (answer, _), per_rank in zip(right, verdicts):
+        assert per_rank == ["ok"] * nproc, (answer.__name__, per_rank)
+    for (answer, _, says), per_rank in zip(wrong, verdicts[len(right) :]):
         failed = [verdict for verdict in per_rank if verdict != "ok"]
         found = [v for v in failed if (says.search(v) if isinstance(says, re.Pattern) else says in v)]
         assert found, (answer.__name__, says, per_rank)
+
+
+def assert_checker(checker: Callable, right: Callable, wrong: dict[Callable, str | re.Pattern], nproc: int = 3) -> None:
+    """assert_judged for one checker: its solution `right`, and {wrong answer: what its message says}."""
+    assert_judged([(right, checker)], [(answer, checker, says) for answer, says in wrong.items()], nproc)
