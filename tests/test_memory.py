@@ -31,10 +31,30 @@ def test_stage_formulas(n):
         assert all(x["total"] == b[0]["total"] for x in b)  # nothing to shard
 
 
-def test_precisions():
-    assert sum(memory.PRECISIONS["mixed (16-bit + fp32 master)"]["Adam"]) == 16
-    assert sum(memory.PRECISIONS["fp32"]["Adam"]) == 16
-    assert memory.PRECISIONS["fp32"]["SGD"][2] == 0
+@pytest.mark.parametrize(
+    "optimizer, make",
+    [
+        ("Adam", lambda ps: torch.optim.Adam(ps)),
+        ("SGD+momentum", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)),
+        ("SGD", lambda ps: torch.optim.SGD(ps, lr=0.1)),
+    ],
+)
+def test_precisions_are_the_bytes_torch_allocates(optimizer, make):
+    """Bytes per parameter of weights, gradients and optimizer state, as torch holds them after one step."""
+    model = torch.nn.Linear(8, 4)
+    opt = make(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    n = sum(p.numel() for p in model.parameters())
+    weights = sum(p.numel() * p.element_size() for p in model.parameters()) / n
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()) / n
+    state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if t.dim() > 0) / n
+    assert memory.PRECISIONS["fp32"][optimizer] == (weights, grads, state)
+    half = torch.bfloat16.itemsize  # 16-bit weights and gradients; the optimizer keeps an fp32 master copy
+    assert memory.PRECISIONS["mixed (16-bit + fp32 master)"][optimizer] == (half, half, weights + state)
+
+
+def test_zero_stages_are_0_to_3():
     with pytest.raises(ValueError):
         memory.zero_bytes_per_gpu(1, 1, 4)
 
