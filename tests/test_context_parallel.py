@@ -93,6 +93,7 @@ def ring_against_full_attention(rank, world_size):
     import torch
     import torch.nn.functional as F
 
+    from course_lib import comms
     from course_lib import context_parallel as cp
 
     errors, traffic_ok, traces = [], [], []
@@ -106,17 +107,17 @@ def ring_against_full_attention(rank, world_size):
                 reference = F.scaled_dot_product_attention(q, k, v, is_causal=causal).detach()
                 held = cp.all_positions(layout, seq_len, world_size)
                 mine = [cp.shard_sequence(t.detach(), held[rank], 2).requires_grad_() for t in (q, k, v)]
-                cp.TRAFFIC.clear()
                 trace = []
-                out = cp.ring_attention(*mine, held, causal=causal, trace=trace)
-                out.backward(cp.shard_sequence(grad_out, held[rank], 2))
+                with comms.Recorder() as rec:
+                    out = cp.ring_attention(*mine, held, causal=causal, trace=trace)
+                    out.backward(cp.shard_sequence(grad_out, held[rank], 2))
                 got = [out.detach()] + [m.grad for m in mine]
                 want = [reference, q.grad, k.grad, v.grad]
                 errors.append(
                     max(float((a - cp.shard_sequence(b, held[rank], 2)).abs().max()) for a, b in zip(got, want))
                 )
                 # float64 elements are 8 bytes
-                traffic_ok.append(dict(cp.TRAFFIC) == cp.ring_bytes(layout, seq_len, world_size, rank, 2, 4, 8, 8))
+                traffic_ok.append(cp.sent_by_kind(rec) == cp.ring_bytes(layout, seq_len, world_size, rank, 2, 4, 8, 8))
                 traces.append([(e["phase"], e["step"], e["owner"]) for e in trace])
     return dict(errors=errors, traffic_ok=traffic_ok, traces=traces)
 

@@ -79,7 +79,7 @@ def expert_parallel_against_one_process(rank, world_size):
     import torch
     import torch.distributed as dist
 
-    from course_lib import compare
+    from course_lib import comms, compare
     from course_lib import expert_parallel as ep
 
     n_experts, d, tokens = 12, 16, 32
@@ -99,9 +99,10 @@ def expert_parallel_against_one_process(rank, world_size):
             ep.TopKRouter(d, n_experts, 2, 1.0), ep.make_experts(n_experts, d, 32), exchange=exchange
         )
         x = ep.token_batch(tokens, d, rank).requires_grad_()
-        ep.TRAFFIC.clear()
-        y, routing = moe(x)
-        (y.pow(2).sum() + 0.1 * routing.aux_loss).backward()
+        with comms.Recorder() as rec:
+            y, routing = moe(x)
+            (y.pow(2).sum() + 0.1 * routing.aux_loss).backward()
+        sent = ep.sent_by_kind(rec)
         for p in moe.router.parameters():
             dist.all_reduce(p.grad)
         splits = moe.last["send_splits"].tolist()
@@ -111,15 +112,17 @@ def expert_parallel_against_one_process(rank, world_size):
             grads=max(
                 compare.relative_error(p.grad, grads[moe.global_name(n)].grad) for n, p in moe.named_parameters()
             ),
-            dispatch=ep.TRAFFIC["dispatch"] == sum(r for j, r in enumerate(splits) if j != rank) * d * 4,
-            bound=ep.TRAFFIC["dispatch"] <= ep.all_to_all_bytes_bound(routing.capacity, n_experts, world_size, d, 4),
+            dispatch=sent["dispatch"] == sum(r for j, r in enumerate(splits) if j != rank) * d * 4,
+            bound=sent["dispatch"] <= ep.all_to_all_bytes_bound(routing.capacity, n_experts, world_size, d, 4),
+            # the gradients go back the way the rows came
+            backward=sent["combine backward"] == sent["dispatch"] and sent["dispatch backward"] == sent["combine"],
         )
     balanced = ep.ExpertParallelMoE(ep.TopKRouter(d, n_experts, 2, 1.0), ep.make_experts(n_experts, d, 32))
     with torch.no_grad():
         balanced.router.gate.weight.copy_(torch.eye(n_experts, d))
-    ep.TRAFFIC.clear()
-    balanced(ep.balanced_batch(48, n_experts, d))
-    result["balanced"] = dict(ep.TRAFFIC)
+    with comms.Recorder() as rec:
+        balanced(ep.balanced_batch(48, n_experts, d))
+    result["balanced"] = ep.sent_by_kind(rec)
     return result
 
 
@@ -129,7 +132,7 @@ def test_expert_parallel_equals_one_process(n):
         for name in ("all_to_all", "torch_all_to_all"):
             r = result[name]
             assert max(r["output"], r["input_grad"], r["grads"]) < 1e-5, (n, rank, name, r)
-            assert r["dispatch"] and r["bound"], (n, rank, name, r)
+            assert r["dispatch"] and r["bound"] and r["backward"], (n, rank, name, r)
         expected = ep.all_to_all_bytes_balanced(48, 2, n, 16, 4)
         assert result["balanced"]["dispatch"] == result["balanced"]["combine"] == expected
 

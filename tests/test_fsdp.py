@@ -81,20 +81,11 @@ def test_hsdp_prediction_accepts_the_formula_and_rejects_typical_mistakes(capsys
     capsys.readouterr()
 
 
-def test_recorded_collectives_and_cost_models():
-    calls = [("all_gather", (0, 1, 2, 3), 400), ("reduce_scatter", (0, 1), 200), ("all_reduce", (0, 2), 100)]
-    assert fsdp.sent_bytes(calls) == 300 + 100 + 100
-    assert fsdp.sent_bytes(calls, fsdp.GLOO) == 300 + 200 + 100
-    assert fsdp.per_group(calls + calls[:1]) == {
-        ("all_gather", (0, 1, 2, 3)): (2, 800),
-        ("reduce_scatter", (0, 1)): (1, 200),
-        ("all_reduce", (0, 2)): (1, 100),
-    }
-
-
 def test_collectives_formula():
     assert fsdp.collectives_per_step(3, 5) == {"reduce_scatter": 5, "all_gather": 10}
     assert fsdp.collectives_per_step(0, 2) == {"all_reduce": 2}
+    assert fsdp.collectives_per_step(0, 2, clip=True) == {"all_reduce": 2}  # stage 0 holds the whole gradient
+    assert fsdp.collectives_per_step(2, 2, clip=True) == {"all_gather": 2, "all_reduce": 1, "reduce_scatter": 2}
     with pytest.raises(ValueError):
         fsdp.ZeroModel(torch.nn.Linear(2, 2), stage=4)  # checked before any sharding (no process group)
 

@@ -22,11 +22,12 @@ def test_from_scratch_equals_unsharded_and_parallelize_module(n):
             assert r["scratch_vs_torch"] < 1e-5, (n, rank, r)
             assert r["sp_vs_full"] < 1e-5, (n, rank, r)
             assert r["shared_vs_full"] < 1e-5, (n, rank, r)
-            assert r["scratch_comms"] == {"forward all_reduce": 2, "backward all_reduce": 2}
+            assert r["scratch_fwd"] == r["scratch_bwd"] == {"all_reduce": 2}
+            assert r["scratch_groups"] == {tuple(range(n))}  # on the whole tensor-parallel group
             assert r["torch_fwd"] == {"all_reduce": 2} and r["torch_bwd"] == {"all_reduce": 4}
             # torchtitan's layout (separate q/k/v reading one DTensor): one all-reduce per attention and per MLP
             assert r["shared_fwd"] == r["shared_bwd"] == {"all_reduce": 2}
-            assert r["sp_fwd"] == r["sp_bwd"] == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
+            assert r["sp_fwd"] == r["sp_bwd"] == {"all_gather": 2, "reduce_scatter": 2}
             mine, theirs, full = r["params"]
             replicated = 4 * 48 * 4 + 2 * 48 * 4  # two LayerNorms (weight+bias), o and down biases
             assert mine == theirs == replicated + (full - replicated) // n

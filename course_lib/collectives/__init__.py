@@ -1,6 +1,6 @@
 """Notebook 01: collectives from point-to-point messages, their cost model, and a benchmark.
 
-    p2p        send_recv (both neighbours at once), the bytes-sent counter
+    p2p        send_recv (both neighbours at once); course_lib.comms counts the bytes
     ring       chunks, the ring schedule, one ring step, ring reduce-scatter / all-gather / all-reduce,
                the naive all-reduce
     live       on the session's ranks: a collective by name on example data (the explorer), the 2^r
@@ -25,7 +25,7 @@ from course_lib.collectives.live import (
     example_data,
     run_collective,
 )
-from course_lib.collectives.p2p import reset_traffic, send_recv, traffic
+from course_lib.collectives.p2p import send_recv
 from course_lib.collectives.ring import (
     all_gather_step_,
     chunk_offsets,
@@ -63,7 +63,6 @@ __all__ = [
     "human_bytes",
     "naive_all_reduce",
     "reduce_scatter_step_",
-    "reset_traffic",
     "ring_all_gather",
     "ring_all_reduce",
     "ring_all_reduce_states",
@@ -71,6 +70,5 @@ __all__ = [
     "ring_step",
     "run_collective",
     "send_recv",
-    "traffic",
     "waiting_forever",
 ]

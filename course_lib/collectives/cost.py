@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from course_lib import comms
+
 
 def bytes_sent_per_rank(collective: str, nbytes: float, world_size: int) -> float:
     """Bytes each rank sends, for a tensor of `nbytes` (the full, unsharded size), ring algorithms.
@@ -23,15 +25,7 @@ def bus_factor(collective: str, world_size: int) -> float:
     The factor makes the bus bandwidth comparable to the link's peak whatever the collective
     and N: all_reduce 2(N-1)/N, all_gather and reduce_scatter (N-1)/N, broadcast 1.
     """
-    n = world_size
-    return {
-        "all_reduce": 2 * (n - 1) / n,
-        "ring_all_reduce": 2 * (n - 1) / n,
-        "naive_all_reduce": 2 * (n - 1) / n,
-        "all_gather": (n - 1) / n,
-        "reduce_scatter": (n - 1) / n,
-        "broadcast": 1.0,
-    }[collective]
+    return comms.RING[collective.removeprefix("ring_").removeprefix("naive_")](world_size)
 
 
 def alpha_beta_time(collective: str, nbytes: float, world_size: int, alpha: float, beta: float) -> float:

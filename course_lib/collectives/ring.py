@@ -27,7 +27,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from course_lib.collectives.p2p import _peer, _traffic, send_recv
+from course_lib import comms
+from course_lib.collectives.p2p import peer, send_recv
 
 # ---------------------------------------------------------------------------
 # Chunks and the ring schedule
@@ -154,7 +155,8 @@ def ring_reduce_scatter(
     n = dist.get_world_size(group)
     offsets = chunk_offsets(chunk_sizes(tensor.numel(), n))
     flat = tensor.detach().reshape(-1).clone()
-    _ring_reduce_scatter_(flat, offsets, _op_name(op), group)
+    with comms.collective("reduce_scatter", flat, group):
+        _ring_reduce_scatter_(flat, offsets, _op_name(op), group)
     rank = dist.get_rank(group)
     return flat[offsets[rank] : offsets[rank + 1]].clone()
 
@@ -177,7 +179,8 @@ def ring_all_gather(
     offsets = chunk_offsets(sizes)
     flat = torch.empty(offsets[-1], dtype=chunk.dtype, device=chunk.device)
     flat[offsets[rank] : offsets[rank + 1]] = chunk.detach().reshape(-1)
-    _ring_all_gather_(flat, offsets, group)
+    with comms.collective("all_gather", flat, group):
+        _ring_all_gather_(flat, offsets, group)
     return flat
 
 
@@ -190,12 +193,11 @@ def ring_all_reduce(
     whatever N is: the reason the ring is bandwidth-optimal.
     """
     n = dist.get_world_size(group)
-    if n == 1:
-        return tensor
     offsets = chunk_offsets(chunk_sizes(tensor.numel(), n))
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
-    _ring_reduce_scatter_(flat, offsets, _op_name(op), group)
-    _ring_all_gather_(flat, offsets, group)
+    with comms.collective("all_reduce", flat, group):
+        _ring_reduce_scatter_(flat, offsets, _op_name(op), group)
+        _ring_all_gather_(flat, offsets, group)
     if flat.data_ptr() != tensor.data_ptr():  # non-contiguous input: we worked on a copy
         tensor.copy_(flat.view(tensor.shape))
     return tensor
@@ -211,15 +213,11 @@ def naive_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = Non
     if rank == 0:
         incoming = torch.empty_like(tensor)
         for src in range(1, n):
-            dist.recv(incoming, _peer(group, src), group)
+            dist.recv(incoming, peer(group, src), group)
             tensor.add_(incoming)
         for dst in range(1, n):
-            dist.send(tensor, _peer(group, dst), group)
-            _traffic["bytes_sent"] += tensor.numel() * tensor.element_size()
-            _traffic["messages"] += 1
+            dist.send(tensor, peer(group, dst), group)
     else:
-        dist.send(tensor, _peer(group, 0), group)
-        _traffic["bytes_sent"] += tensor.numel() * tensor.element_size()
-        _traffic["messages"] += 1
-        dist.recv(tensor, _peer(group, 0), group)
+        dist.send(tensor, peer(group, 0), group)
+        dist.recv(tensor, peer(group, 0), group)
     return tensor

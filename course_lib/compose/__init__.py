@@ -5,8 +5,8 @@
   :func:`stage_blocks`), and the single-process reference the composed model must equal;
 - :mod:`.planner`: memory, bytes and time per GPU for a (dp, tp, pp) choice on a real cluster, micro-batches and
   FSDP's reshard/defer choices included (kernel-only);
-- :mod:`.traffic`: the bytes each rank really sends, counted from the collectives torch dispatches, and the
-  planner's prediction for the notebook's model;
+- :mod:`.traffic`: the planner's prediction of the bytes each rank sends for the notebook's model, against what
+  ``comms.Recorder`` counted;
 - :mod:`.checkers`: the exercises' checkers (coordinates, deferred gradient sync, agreed micro-batches).
 """
 
@@ -37,14 +37,13 @@ from course_lib.compose.planner import (
     plan_options,
     step_time,
 )
-from course_lib.compose.traffic import CountBytes, compare_traffic, course_model_shape, predicted_traffic
+from course_lib.compose.traffic import compare_traffic, course_model_shape, predicted_traffic
 
 __all__ = [
     "DIMS",
     "H100_NODES",
     "LLAMA_70B",
     "Cluster",
-    "CountBytes",
     "ModelShape",
     "activation_bytes_per_layer",
     "apply_fsdp",

@@ -14,8 +14,6 @@ from course_lib.compose.mesh import DIMS
 from course_lib.exercises import ExerciseFailed, expect_equal
 from course_lib.launch.runtime import rank_device
 
-ALL_GATHER, REDUCE_SCATTER = "c10d._allgather_base_", "c10d._reduce_scatter_base_"
-
 
 def check_my_coordinates(fn: Callable[[int, int, int, int], object]) -> None:
     """fn(rank, pp, dp, tp) -> (pp, dp, tp) coordinates must match the DeviceMesh's for every shape.
@@ -51,9 +49,9 @@ def check_accumulate(fn: Callable) -> None:
     """
     from torch.distributed.device_mesh import init_device_mesh
 
+    from course_lib import comms
     from course_lib.compare import max_difference
     from course_lib.compose.parallelize import apply_fsdp, make_batch, make_model, reference_grads, unsharded_gradients
-    from course_lib.compose.traffic import CountBytes
 
     world, me = dist.get_world_size(), dist.get_rank()
     device = rank_device()
@@ -64,9 +62,9 @@ def check_accumulate(fn: Callable) -> None:
         model = apply_fsdp(make_model(2).to(device), mesh)
         mine = x.chunk(world)[me].to(device), y.chunk(world)[me].to(device)  # this rank's rows only
         micro_batches = list(zip(mine[0].chunk(n_mb), mine[1].chunk(n_mb)))
-        with CountBytes() as sent:
+        with comms.Recorder() as sent:
             fn(model, micro_batches)
-        gathers, reductions = sent.ops[ALL_GATHER], sent.ops[REDUCE_SCATTER]
+        gathers, reductions = sent.counts().get("all_gather", 0), sent.counts().get("reduce_scatter", 0)
         if gathers != 2 * n_mb * 2:
             raise ExerciseFailed(
                 f"{n_mb} micro-batches of 2 blocks: parameters gathered {gathers} times, expected {4 * n_mb} "

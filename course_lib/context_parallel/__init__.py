@@ -3,7 +3,7 @@
 layout          which tokens each rank holds (contiguous or zig-zag), for any sequence length; the causal
                 work of each rank at each ring step, and the rectangle it computes
 ring_attention  block attention, the online-softmax merge, RingAttention (forward and backward on the ring),
-                the bytes each rank sends (TRAFFIC)
+                the bytes each rank sent, by kind, from a comms.Recorder (sent_by_kind)
 block           the course's TransformerBlock with ring attention, the gradient sum over the ranks
 cost            bytes per rank per layer, memory per rank, when the ring hides behind compute
 torch_cp        torch.distributed.tensor.experimental.context_parallel: its layout (CPU too), its attention (GPU)
@@ -35,12 +35,12 @@ from course_lib.context_parallel.layout import (
     visible_rectangle,
 )
 from course_lib.context_parallel.ring_attention import (
-    TRAFFIC,
     Ring,
     RingAttention,
     block_attention,
     merge_partials,
     ring_attention,
+    sent_by_kind,
 )
 from course_lib.context_parallel.timing import time_ring_step
 from course_lib.context_parallel.torch_cp import torch_positions, torch_ring_attention
@@ -48,7 +48,6 @@ from course_lib.context_parallel.torch_cp import torch_positions, torch_ring_att
 __all__ = [
     "LAYOUTS",
     "LINKS",
-    "TRAFFIC",
     "ContextParallelAttention",
     "ContextParallelBlock",
     "Ring",
@@ -71,6 +70,7 @@ __all__ = [
     "ring_bytes",
     "ring_bytes_even",
     "saved_bytes",
+    "sent_by_kind",
     "shard_sequence",
     "sum_gradients",
     "time_ring_step",

@@ -22,7 +22,7 @@ def tokens_per_rank(layout: str, seq_len: int, world_size: int) -> list[int]:
 def ring_bytes(
     layout: str, seq_len: int, world_size: int, rank: int, batch: int, heads: int, head_dim: int, element_size: int
 ) -> dict[str, int]:
-    """Bytes rank `rank` sends for one attention layer, by kind (the keys of ring_attention.TRAFFIC)."""
+    """Bytes rank `rank` sends for one attention layer, by kind (the keys of ring_attention.sent_by_kind)."""
     if world_size == 1:
         return {"forward K/V": 0, "backward K/V": 0, "backward dK/dV": 0}
     per_token = 2 * batch * heads * head_dim * element_size  # K and V of one token

@@ -6,21 +6,19 @@ running output (merge_partials). The next block is already on its way while it c
 send to rank r + 1 and the receive from rank r - 1 before the compute, and waits after it.
 
 Backward is a second trip around the ring: K/V travel again, and with them dK/dV, to which every rank adds its
-queries' share; after N hops the dK/dV of each block are back with its owner. TRAFFIC counts the bytes this
-rank sends, by kind.
+queries' share; after N hops the dK/dV of each block are back with its owner. sent_by_kind reads the bytes
+this rank sent, by kind, from a comms.Recorder.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from course_lib import comms
 from course_lib.context_parallel.layout import causal_pairs, visible_rectangle
-
-TRAFFIC: Counter = Counter()  # bytes this rank sent: "forward K/V", "backward K/V", "backward dK/dV"
 
 
 def _finite(lse: torch.Tensor) -> torch.Tensor:
@@ -76,10 +74,9 @@ class Ring:
 
         self.next, self.prev = global_rank((self.rank + 1) % self.size), global_rank((self.rank - 1) % self.size)
 
-    def post(self, send: torch.Tensor, recv_shape: tuple[int, ...], kind: str) -> tuple[list[Any], torch.Tensor]:
+    def post(self, send: torch.Tensor, recv_shape: tuple[int, ...]) -> tuple[list[Any], torch.Tensor]:
         """Start sending `send` to the next rank and receiving a `recv_shape` tensor from the previous one."""
         recv = send.new_empty(recv_shape)
-        TRAFFIC[kind] += send.numel() * send.element_size()
         ops = [
             dist.P2POp(dist.isend, send.contiguous(), self.next, self.group),
             dist.P2POp(dist.irecv, recv, self.prev, self.group),
@@ -113,7 +110,7 @@ class RingAttention(torch.autograd.Function):
         for step in range(n):
             owner = (r - step) % n
             if step < n - 1:  # the next block is on its way while this one is computed
-                works, incoming = ring.post(kv, _block_shape(kv, held, (owner - 1) % n), "forward K/V")
+                works, incoming = ring.post(kv, _block_shape(kv, held, (owner - 1) % n))
             rows, cols = visible_rectangle(held[r], held[owner], causal)
             if len(rows) and len(cols):  # a block entirely in this rank's future (causal) costs nothing
                 q_pos, k_pos = _mask(held[r][rows], held[owner][cols], causal)
@@ -145,7 +142,7 @@ class RingAttention(torch.autograd.Function):
         for step in range(n):
             owner, upstream = (r - step) % n, (r - step - 1) % n
             if step < n - 1:
-                works, incoming = ring.post(kv, _block_shape(kv, held, upstream), "backward K/V")
+                works, incoming = ring.post(kv, _block_shape(kv, held, upstream))
             rows, cols = visible_rectangle(held[r], held[owner], causal)
             if len(rows) and len(cols):
                 q_pos, k_pos = _mask(held[r][rows], held[owner][cols], causal)
@@ -161,7 +158,7 @@ class RingAttention(torch.autograd.Function):
             if ctx.trace is not None:
                 ctx.trace.append(_step(held[r], held[owner], causal, step, owner, rows, cols, "backward"))
             if n > 1:  # N hops in all: after the last one, every block's dK/dV is back with its owner
-                dkv_works, dkv = ring.post(dkv, _block_shape(kv, held, upstream), "backward dK/dV")
+                dkv_works, dkv = ring.post(dkv, _block_shape(kv, held, upstream))
                 _wait(dkv_works)
             if step < n - 1:
                 _wait(works)
@@ -210,3 +207,23 @@ def ring_attention(
     one entry per ring step (phase, step, owner of the K/V block, pairs computed).
     """
     return RingAttention.apply(q, k, v, held, causal, group, trace)
+
+
+def sent_by_kind(rec: comms.Recorder) -> dict[str, int]:
+    """Bytes this rank's ring attention sent, by kind (the keys of cost.ring_bytes), read from a recorder around
+    its forward and backward.
+
+    Forward sends K/V blocks only. Backward makes N hops on a ring of N ranks: each sends dK/dV, and each but the
+    last first posts the K/V block. So one layer's backward sends K/V, dK/dV, ..., K/V, dK/dV, dK/dV, 2N - 1
+    messages, the K/V at the even places but the last (the layers' backwards one after another, on one ring).
+    """
+    sends = [c for c in rec.calls if c.op == "send"]
+    backward = [c for c in sends if c.phase == "backward"]
+    per_layer = 2 * len(backward[0].group) - 1 if backward else 1
+    if len(backward) % per_layer:
+        raise ValueError(f"{len(backward)} backward sends are not whole layers of {per_layer}")
+    sent = {"forward K/V": sum(c.nbytes for c in sends if c.phase == "forward"), "backward K/V": 0, "backward dK/dV": 0}
+    for i, c in enumerate(backward):
+        place = i % per_layer
+        sent["backward K/V" if place % 2 == 0 and place < per_layer - 1 else "backward dK/dV"] += c.nbytes
+    return sent

@@ -33,7 +33,7 @@ from course_lib.ddp.minimal_ddp import MB, Bucket, MinimalDDP, assign_buckets, o
 from course_lib.ddp.replicas import check_gradient_sync, load_snapshot, save_snapshot
 from course_lib.ddp.train import TrainLog, bytes_written, global_loader, rank_loader, shuffled_order, train
 from course_lib.ddp.uneven import shadow_all_reduce, train_with_join, uneven_batches, uneven_reference
-from course_lib.ddp.unused import MLPWithBranches, branch_indices, collectives_in, seconds_per_step
+from course_lib.ddp.unused import MLPWithBranches, branch_indices, seconds_per_step
 
 __all__ = [
     "COMM_HOOKS",
@@ -51,7 +51,6 @@ __all__ = [
     "check_average_gradient",
     "check_gradient_sync",
     "check_mean_allreduce_hook",
-    "collectives_in",
     "ddp_bytes_per_rank",
     "global_loader",
     "gradient_error",

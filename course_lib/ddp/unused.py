@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from course_lib.models import MLP
@@ -42,18 +40,6 @@ def branch_indices(model: nn.Module) -> list[int]:
     """Positions of the branches' parameters in model.parameters(): the indices DDP's error names."""
     names = [name.removeprefix("module.") for name, _ in model.named_parameters()]
     return [i for i, name in enumerate(names) if name.startswith("branches.")]
-
-
-def collectives_in(fn: Callable[[], object], group: dist.ProcessGroup | None = None) -> int:
-    """How many collectives `fn()` starts on this rank in `group` (default: the default group).
-
-    Every collective moves the group's sequence number on by one, also those DDP's C++ reducer
-    starts, which no Python wrapper of torch.distributed sees.
-    """
-    pg: Any = group or dist.distributed_c10d._get_default_group()  # the getter is missing from torch's stubs
-    before = pg._get_sequence_number_for_group()
-    fn()
-    return pg._get_sequence_number_for_group() - before
 
 
 def _synchronize() -> None:

@@ -2,11 +2,11 @@
 
 The router (router.py) picks the top-k experts of each token, cuts each expert's queue at its capacity and computes
 the load-balancing loss. dispatch.py moves the tokens: an all-to-all of the counts, then all_to_all_single with
-uneven splits, as an autograd function (and the same with PyTorch's functional collective), counting the bytes in
-TRAFFIC. moe.py holds the experts (the course's FeedForward), the MoE on one process and ExpertParallelMoE; cost.py
-the formulas (bytes per all-to-all, the capacity bound, drops, imbalance, a perfectly balanced batch); train.py a
-short training run that records the load; figures.py the kernel-only pictures and the explorer; checkers.py the
-exercise's checker (solution: notebooks/solutions/09_context_and_expert_parallel.py).
+uneven splits, as an autograd function (and the same with PyTorch's functional collective); its sent_by_kind reads
+the bytes of each kind from a comms.Recorder. moe.py holds the experts (the course's FeedForward), the MoE on one
+process and ExpertParallelMoE; cost.py the formulas (bytes per all-to-all, the capacity bound, drops, imbalance, a
+perfectly balanced batch); train.py a short training run that records the load; figures.py the kernel-only pictures
+and the explorer; checkers.py the exercise's checker (solution: notebooks/solutions/09_context_and_expert_parallel.py).
 """
 
 from course_lib.expert_parallel.checkers import check_dispatch
@@ -17,7 +17,7 @@ from course_lib.expert_parallel.cost import (
     dropped,
     imbalance,
 )
-from course_lib.expert_parallel.dispatch import TRAFFIC, AllToAll, all_to_all, exchange_counts, torch_all_to_all
+from course_lib.expert_parallel.dispatch import AllToAll, all_to_all, exchange_counts, sent_by_kind, torch_all_to_all
 from course_lib.expert_parallel.figures import draw_ep_explorer, draw_load_balance, draw_tokens_per_expert
 from course_lib.expert_parallel.moe import ExpertParallelMoE, MoE, make_experts, run_experts
 from course_lib.expert_parallel.router import (
@@ -30,7 +30,6 @@ from course_lib.expert_parallel.router import (
 from course_lib.expert_parallel.train import token_batch, train_load_balance
 
 __all__ = [
-    "TRAFFIC",
     "AllToAll",
     "ExpertParallelMoE",
     "MoE",
@@ -52,6 +51,7 @@ __all__ = [
     "load_balancing_loss",
     "make_experts",
     "run_experts",
+    "sent_by_kind",
     "token_batch",
     "torch_all_to_all",
     "train_load_balance",

@@ -4,27 +4,22 @@ A rank sends each kept assignment's token to the rank that holds its expert (dis
 expert's output back (combine). How many rows go where differs per rank and per batch, so the
 receivers cannot know their buffer sizes: one all-to-all of the counts (E numbers per rank) comes first,
 then the tokens move with uneven split sizes. The backward of an all-to-all is the all-to-all with the
-split sizes swapped. TRAFFIC counts the bytes this rank sends to other ranks, by kind.
+split sizes swapped. sent_by_kind reads the bytes this rank sent to the other ranks, by kind, from a
+comms.Recorder.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-TRAFFIC: Counter = Counter()  # bytes sent to other ranks: "counts", "dispatch", "combine" (+ " backward")
+from course_lib import comms
 
 Group = dist.ProcessGroup | None  # None: the default group
-AllToAllFn = Callable[[torch.Tensor, Sequence[int], Sequence[int], Any, str], torch.Tensor]
-
-
-def _to_others(splits: Sequence[int], row_bytes: int, group: dist.ProcessGroup | None) -> int:
-    me = dist.get_rank(group)
-    return row_bytes * sum(rows for j, rows in enumerate(splits) if j != me)
+AllToAllFn = Callable[[torch.Tensor, Sequence[int], Sequence[int], Any], torch.Tensor]
 
 
 def exchange_counts(per_expert: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -33,7 +28,6 @@ def exchange_counts(per_expert: torch.Tensor, group: dist.ProcessGroup | None = 
     send = per_expert.view(n, -1).contiguous()  # row j: the experts of rank j
     received = torch.empty_like(send)
     dist.all_to_all_single(received, send, group=group)
-    TRAFFIC["counts"] += _to_others([1] * n, send.shape[1] * send.element_size(), group)
     return received
 
 
@@ -47,42 +41,61 @@ class AllToAll(torch.autograd.Function):
         send_splits: Sequence[int],
         recv_splits: Sequence[int],
         group: dist.ProcessGroup | None,
-        kind: str,
     ) -> torch.Tensor:
-        ctx.splits, ctx.group, ctx.kind = (list(send_splits), list(recv_splits)), group, kind
-        return _all_to_all(x, send_splits, recv_splits, group, kind)
+        ctx.splits, ctx.group = (list(send_splits), list(recv_splits)), group
+        return _all_to_all(x, send_splits, recv_splits, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         send_splits, recv_splits = ctx.splits
-        return _all_to_all(grad, recv_splits, send_splits, ctx.group, ctx.kind + " backward"), None, None, None, None
+        return _all_to_all(grad, recv_splits, send_splits, ctx.group), None, None, None
 
 
 def _all_to_all(
-    x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], group: dist.ProcessGroup | None, kind: str
+    x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], group: dist.ProcessGroup | None
 ) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((sum(recv_splits), *x.shape[1:]))
     dist.all_to_all_single(out, x, list(recv_splits), list(send_splits), group=group)
-    TRAFFIC[kind] += _to_others(send_splits, x[0].numel() * x.element_size() if len(x) else 0, group)
     return out
 
 
 def all_to_all(
-    x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], group: Group = None, kind: str = "dispatch"
+    x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], group: Group = None
 ) -> torch.Tensor:
     """Rows [Σ send_splits[:j], Σ send_splits[:j+1]) of x go to rank j; rows from rank j arrive in its place."""
-    return AllToAll.apply(x, send_splits, recv_splits, group, kind)
+    return AllToAll.apply(x, send_splits, recv_splits, group)
 
 
 def torch_all_to_all(
-    x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], group: Group = None, kind: str = "dispatch"
+    x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], group: Group = None
 ) -> torch.Tensor:
     """The same with PyTorch's differentiable functional collective (what torchtitan's expert parallelism uses)."""
     from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
-    TRAFFIC[kind] += _to_others(send_splits, x[0].numel() * x.element_size() if len(x) else 0, group)
     pg = group if group is not None else dist.group.WORLD
     assert pg is not None, "torch.distributed is not initialised"
     out = all_to_all_single_autograd(x.contiguous(), list(recv_splits), list(send_splits), pg)
     return wait_tensor(out)
+
+
+def sent_by_kind(rec: comms.Recorder) -> dict[str, int]:
+    """Bytes this rank sent to the other ranks, by kind, read from a recorder around ExpertParallelMoE forwards
+    (and backwards): "counts", "dispatch", "combine", "combine backward", "dispatch backward", those that ran.
+
+    The counts are the all-to-alls of integers. Each forward then sends the tokens (dispatch) and the outputs back
+    (combine); each backward runs the two in reverse, combine's gradient first (one layer after another).
+    """
+    order = {"forward": ("dispatch", "combine"), "backward": ("combine backward", "dispatch backward")}
+    seen = {"forward": 0, "backward": 0}
+    sent: dict[str, int] = {}
+    for c in rec.calls:
+        if c.op != "all_to_all":
+            continue
+        if c.dtype.is_floating_point:
+            kind = order[c.phase][seen[c.phase] % 2]
+            seen[c.phase] += 1
+        else:
+            kind = "counts"
+        sent[kind] = sent.get(kind, 0) + c.nbytes
+    return sent

@@ -75,11 +75,11 @@ class ExpertParallelMoE(nn.Module):
         received = exchange_counts(per_expert, self.group)  # first the counts: (N, E/N)
         send_splits = per_expert.view(len(received), -1).sum(1).tolist()
         recv_splits = received.sum(1).tolist()
-        rows = self.exchange(x[token], send_splits, recv_splits, self.group, "dispatch")
+        rows = self.exchange(x[token], send_splits, recv_splits, self.group)
         # rows arrive by source rank, and from each source grouped by my experts
         mine = torch.arange(self.per_rank, device=received.device).repeat(len(received))
         outputs = run_experts(self.experts, rows, torch.repeat_interleave(mine, received.flatten()))
-        back = self.exchange(outputs, recv_splits, send_splits, self.group, "combine")
+        back = self.exchange(outputs, recv_splits, send_splits, self.group)
         y = torch.zeros_like(x).index_add(0, token, back * routing.gates[token, choice].unsqueeze(-1))
         self.last = dict(sent=per_expert, received=received, send_splits=torch.tensor(send_splits))
         return y, routing

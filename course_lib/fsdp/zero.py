@@ -27,7 +27,6 @@ uneven sizes need no padding and no exchange of sizes.
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 import torch
@@ -36,13 +35,21 @@ from torch import nn
 
 from course_lib.collectives import chunk_sizes, ring_all_gather, ring_all_reduce, ring_reduce_scatter
 
-# Collective calls made by ZeroModel on this rank since reset_calls(): {"all_gather": k, ...}.
-calls: Counter = Counter()
 
+def collectives_per_step(stage: int, units: int, clip: bool = False) -> dict[str, int]:
+    """The formula the counts are checked against: collective calls per training step.
 
-def reset_calls() -> None:
-    """Start counting from zero (the Counter is cleared in place: `fsdp.calls` stays the same object)."""
-    calls.clear()
+    clip: ZeroModel.clip_grad_norm_ adds one all-reduce (of a scalar) in stages 1-3, where each rank holds part of
+    the gradient."""
+    calls = {
+        0: {"all_reduce": units},
+        1: {"all_reduce": units, "all_gather": units},
+        2: {"reduce_scatter": units, "all_gather": units},
+        3: {"reduce_scatter": units, "all_gather": 2 * units},
+    }[stage]
+    if clip and stage > 0:
+        calls["all_reduce"] = calls.get("all_reduce", 0) + 1
+    return dict(sorted(calls.items()))
 
 
 class ShardedUnit(nn.Module):
@@ -73,24 +80,21 @@ class ShardedUnit(nn.Module):
         else:
             self.shard = nn.Parameter(torch.tensor_split(flat, self.world_size)[self.rank].clone())
 
-    # -- the two collectives, counted --------------------------------------------------------
+    # -- the two collectives (comms.Recorder counts them) ---------------------------------------
 
     def gather(self) -> torch.Tensor:
         """All ranks' shards, concatenated: the unit's full flat parameters."""
-        calls["all_gather"] += 1
         return ring_all_gather(self.shard.detach(), self.sizes, group=self.group)
 
     def reduce_gradient(self, flat_grad: torch.Tensor) -> torch.Tensor:
         """Average the full flat gradient over ranks; return the part this rank's shard needs."""
         n = self.world_size
         if self.stage in (0, 1):
-            calls["all_reduce"] += 1
             averaged = ring_all_reduce(flat_grad.contiguous(), group=self.group).div_(n)
             if self.stage == 0:
                 return averaged
             self.full_grad = averaged  # stage 1 keeps the full gradient...
             return torch.tensor_split(averaged, n)[self.rank]  # ...and the shard's is a view into it
-        calls["reduce_scatter"] += 1
         return ring_reduce_scatter(flat_grad, group=self.group).div_(n)
 
     # -- forward and backward ---------------------------------------------------------------

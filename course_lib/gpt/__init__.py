@@ -6,7 +6,7 @@ model        the GPT: embeddings, the course's TransformerBlocks, a head tied to
 layouts      one process, DDP, FSDP2, FSDP2 x TP, PP x FSDP2 x TP: one function per mesh dimension
 train        the training run every layout shares (the counted step, the timed steps, checkpoints)
 checkpoints  DCP save/load with notebook 06's AppState, and a fingerprint of the whole state
-measure      FLOPs counted, the matmul limit, a GPU's peak, bytes sent (compose.CountBytes)
+measure      FLOPs counted, the matmul limit, a GPU's peak, bytes sent (comms.Recorder)
 predict      memory per rank and bytes per step from the course's calculators (memory, compose.plan)
 runs         a %%torchrun cell's run: train and measure; evaluation and samples
 figures      the kernel's table and figures

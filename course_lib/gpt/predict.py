@@ -105,6 +105,6 @@ def predicted_traffic(layout: Layout, config: GPTConfig, global_batch: int) -> d
         ring = (layout.dp - 1) / layout.dp * BYTES
         per_stage = [root_parameters(config, s, layout.pp) for s in range(layout.pp)]
         traffic["dp"] += (calls["all_gather"] + calls["reduce_scatter"]) * ring * sum(per_stage) / layout.pp
-    if layout.pp > 1:  # first and last stage all-reduce their dp shard of the tied table's gradient
-        traffic["dp"] += 2 * (2 - 1) / 2 * config.vocab * config.d_model / layout.dp * BYTES
+    if layout.pp > 1:  # first and last stage all-reduce their dp shard of the tied table's gradient, on the pp group
+        traffic["pp"] += 2 * (2 - 1) / 2 * config.vocab * config.d_model / layout.dp * BYTES
     return traffic

@@ -1,7 +1,7 @@
 """One training run of the capstone, the same in every layout: what a rank runs inside a %%torchrun cell.
 
 :func:`train` builds the layout's model on this rank, then runs `steps` optimizer steps on the same global
-batches (text.ShardedBatches) whatever the layout. Step 1 (the second) is counted with compose.CountBytes:
+batches (text.ShardedBatches) whatever the layout. Step 1 (the second) is recorded with comms.Recorder:
 the bytes this rank sends, by mesh dimension; the other steps after the first are timed. It returns the
 global loss of every step (the same list on every rank), this rank's measurements, and optionally saves a
 DCP checkpoint after `save_at` steps or starts from one.
@@ -101,7 +101,7 @@ def train_layout(layout: Layout, steps: int, global_batch: int = 16, lr: float =
     "sent": bytes this rank sent in the counted step by dimension, "held": memory.held_bytes after the run,
     "fingerprint": of the model and optimizer after `save_at` steps or after loading}.
     """
-    from course_lib.compose import CountBytes
+    from course_lib import comms
     from course_lib.gpt.checkpoints import fingerprint, load, save
     from course_lib.memory import held_bytes
 
@@ -127,9 +127,9 @@ def train_layout(layout: Layout, steps: int, global_batch: int = 16, lr: float =
     parts = []
     for s in range(result["first_step"], steps):
         if s == COUNTED_STEP:
-            with CountBytes() as counter:
+            with comms.Recorder() as rec:
                 parts.append(step(s))
-            result["sent"] = counter.totals()
+            result["sent"] = {"tp": 0.0, "dp": 0.0, "pp": 0.0, **rec.by_dimension(mesh)}
         else:
             _synchronize(device)  # the previous step's kernels are not this step's time
             start = time.perf_counter()

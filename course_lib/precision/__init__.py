@@ -12,7 +12,7 @@
 from course_lib.precision.anti_pattern import MixedPrecisionTrainer
 from course_lib.precision.checkers import check_clipped_scaler_step, check_found_inf
 from course_lib.precision.figures import finfo_table, matmul_tflops
-from course_lib.precision.inspection import inspect_fsdp2_mixed_precision, record_collectives, record_op_dtypes
+from course_lib.precision.inspection import inspect_fsdp2_mixed_precision, record_op_dtypes
 from course_lib.precision.loss_scaler import DynamicLossScaler, found_inf_across_ranks, local_grads
 from course_lib.precision.number_formats import (
     DTYPE_NAMES,
@@ -49,7 +49,6 @@ __all__ = [
     "matmul_tflops",
     "poison_one_gradient",
     "rank_batches",
-    "record_collectives",
     "record_op_dtypes",
     "rounding_error",
     "smallest_subnormal",

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from course_lib import comms
 from course_lib.compare import grad_of
 from course_lib.precision.number_formats import DTYPE_NAMES
 
@@ -41,35 +39,6 @@ def record_op_dtypes(fn: Callable[[], torch.Tensor]) -> list[tuple[str, tuple[st
     return recorder.ops
 
 
-@contextlib.contextmanager
-def record_collectives() -> Iterator[list[tuple[str, str, int]]]:
-    """Record (name, dtype, bytes of the full tensor) for every all_gather_single / reduce_scatter_single call.
-
-    The full tensor is the all-gather's output and the reduce-scatter's input: the unsharded parameters
-    or gradients, the same size for any number of ranks (padding aside).
-
-    FSDP2 calls these through the `torch.distributed` module, so wrapping them there sees its traffic.
-    """
-    calls: list[tuple[str, str, int]] = []
-    originals = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single")}
-
-    def wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        def recorded(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            full = output if name == "all_gather_single" else input
-            calls.append((name, DTYPE_NAMES.get(input.dtype, str(input.dtype)), full.numel() * full.element_size()))
-            return original(output, input, *args, **kwargs)
-
-        return recorded
-
-    for name, original in originals.items():
-        setattr(dist, name, wrap(name, original))
-    try:
-        yield calls
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
-
-
 def inspect_fsdp2_mixed_precision(
     param_dtype: torch.dtype | None = torch.bfloat16,
     reduce_dtype: torch.dtype | None = torch.float32,
@@ -96,18 +65,20 @@ def inspect_fsdp2_mixed_precision(
     model[0].register_forward_pre_hook(before_forward)
     model[0].register_forward_hook(after_forward)
     x, y = torch.randn(8, 32, device=device), torch.randn(8, 8, device=device)
-    with record_collectives() as calls:
+    with comms.Recorder() as rec:
         out = model(x)
         nn.functional.mse_loss(out.float(), y).backward()
+    gathered = [c for c in rec.calls if c.op == "all_gather"]
+    reduced = [c for c in rec.calls if c.op == "reduce_scatter"]
     first = model[0].weight
     assert isinstance(first, torch.Tensor)
     return {
         "sharded parameter": DTYPE_NAMES[first.dtype],
-        "all_gather input": sorted({dtype for name, dtype, _ in calls if name == "all_gather_single"}),
+        "all_gather input": sorted({DTYPE_NAMES[c.dtype] for c in gathered}),
         "gathered weight": DTYPE_NAMES[seen["gathered weight"]],
         "layer input": DTYPE_NAMES[seen["layer input"]],
         "layer output": DTYPE_NAMES[seen["layer output"]],
-        "reduce_scatter input": sorted({dtype for name, dtype, _ in calls if name == "reduce_scatter_single"}),
+        "reduce_scatter input": sorted({DTYPE_NAMES[c.dtype] for c in reduced}),
         "sharded gradient": DTYPE_NAMES[grad_of(first).dtype],
-        "reduce-scattered bytes": sum(b for name, _, b in calls if name == "reduce_scatter_single"),
+        "reduce-scattered bytes": sum(c.nbytes for c in reduced),
     }

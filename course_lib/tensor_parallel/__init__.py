@@ -16,11 +16,10 @@ from course_lib.tensor_parallel.layers import (
     RowParallelLinear,
     shard_of,
 )
-from course_lib.tensor_parallel.operators import COMMS, CopyToParallel, ReduceFromParallel, shard_size
+from course_lib.tensor_parallel.operators import CopyToParallel, ReduceFromParallel, shard_size
 from course_lib.tensor_parallel.torch_plan import torch_parallel_block, tp_plan
 
 __all__ = [
-    "COMMS",
     "ColumnParallelLinear",
     "CopyToParallel",
     "ParallelAttention",

@@ -4,20 +4,16 @@
     reduce_from_parallel forward: all-reduce   backward: identity     (after a row-parallel layer)
 
 plus a split operator (take my slice forward, all-gather backward) for a row-parallel layer whose
-input is not yet split, and its reverse. Every collective they issue is counted in COMMS.
+input is not yet split, and its reverse. A ``comms.Recorder`` sees every collective they issue.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-
-# Collectives issued by the from-scratch operators, by name and direction ("forward all_reduce": 2, ...).
-COMMS: Counter = Counter()
 
 
 def shard_size(size: int, world_size: int, what: str) -> int:
@@ -42,7 +38,6 @@ class CopyToParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grad.contiguous()
-        COMMS["backward all_reduce"] += 1
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
@@ -53,7 +48,6 @@ class ReduceFromParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         x = x.contiguous().clone()
-        COMMS["forward all_reduce"] += 1
         dist.all_reduce(x, group=group)
         return x
 
@@ -94,7 +88,6 @@ class SplitToParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        COMMS["backward all_gather"] += 1
         return ctx.backward_fn(grad.contiguous()), None, None
 
 
@@ -104,7 +97,6 @@ class GatherFromParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         ctx.group = group
-        COMMS["forward all_gather"] += 1
         return gather_last_dim(x, group)
 
     @staticmethod

@@ -10,6 +10,7 @@ def against_torch(rank: int, world_size: int) -> dict:
     """Every size (one launch per world size) and operation of the ring against torch; traffic
     against the formula; a subgroup; the benchmark's rows."""
     from course_lib import collectives as C
+    from course_lib import comms
 
     problems: list[str] = []
 
@@ -58,22 +59,22 @@ def against_torch(rank: int, world_size: int) -> dict:
     # Bytes each rank sends: the formula, exactly, when N divides the size.
     for name, run in (("ring_all_reduce", C.ring_all_reduce), ("naive_all_reduce", C.naive_all_reduce)):
         t = torch.ones(240 * world_size)
-        C.reset_traffic()
-        run(t)
-        sent = C.traffic()["bytes_sent"]
+        with comms.Recorder() as rec:
+            run(t)
+        sent = rec.wire_bytes()
         want = (
             C.bytes_sent_per_rank(name, t.numel() * 4, world_size)
             if (name == "ring_all_reduce" or rank == 0)
             else t.numel() * 4
         )
         expect(sent == want, f"{name} sent {sent} bytes, formula {want}")
-    C.reset_traffic()
-    C.ring_reduce_scatter(torch.ones(60 * world_size))
-    expect(
-        C.traffic()["bytes_sent"] == C.bytes_sent_per_rank("reduce_scatter", 240 * world_size, world_size),
-        "reduce_scatter traffic",
-    )
-    expect(C.traffic()["messages"] == world_size - 1, "reduce_scatter messages")
+    with comms.Recorder() as rec:
+        C.ring_reduce_scatter(torch.ones(60 * world_size))
+    expect(rec.wire_bytes() == C.bytes_sent_per_rank("reduce_scatter", 240 * world_size, world_size), "reduce_scatter")
+    expect(rec.wire_bytes() == rec.sent_bytes(), "the ring sends what the cost model says")
+    expect(rec.counts() == {"reduce_scatter": 1}, f"one reduce-scatter announced: {rec.counts()}")
+    sends = [c for c in rec.calls if c.op == "send"]
+    expect(len(sends) == world_size - 1 and all(c.inside == "reduce_scatter" for c in sends), "its N-1 sends")
 
     # A subgroup: the ring on ranks 1..N-1 only (group ranks differ from global ranks).
     if world_size >= 3:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -32,9 +31,7 @@ def _solutions() -> dict:
 def equality(rank: int, world_size: int) -> dict:
     """Every stage and fully_shard against one process, for both optimizers; collective counts and
     bytes held against the formulas; sub-groups; the exercise checker against wrong answers."""
-    from torch.distributed.tensor.debug import CommDebugMode
-
-    from course_lib import compare, fsdp, memory
+    from course_lib import comms, compare, fsdp, memory
     from course_lib.exercises import ExerciseFailed
     from course_lib.models import shard_layers_then_root
 
@@ -59,14 +56,14 @@ def equality(rank: int, world_size: int) -> dict:
         for stage in range(4):
             model = fsdp.ZeroModel(fsdp.make_model(), stage)
             opt = make_opt(model.parameters())
-            fsdp.reset_calls()
 
             def zero_clip(model=model, clip=clip):
                 return model.clip_grad_norm_(clip)
 
-            fsdp.train(model, opt, STEPS, world_size=world_size, rank=rank, clip=zero_clip if clip else None)
-            calls = {k: v // STEPS for k, v in fsdp.calls.items()}
-            want_calls = fsdp.collectives_per_step(stage, 3)  # (the clipping norm's all-reduce is not counted)
+            with comms.Recorder() as rec:
+                fsdp.train(model, opt, STEPS, world_size=world_size, rank=rank, clip=zero_clip if clip else None)
+            calls = {k: v // STEPS for k, v in rec.counts().items()}
+            want_calls = fsdp.collectives_per_step(stage, 3, clip=clip is not None)
             expect(calls == want_calls, f"{name} ZeRO-{stage} calls {calls}, expected {want_calls}")
             diff = compare.max_difference(model.full_state(), reference)
             expect(diff < 1e-6, f"{name} ZeRO-{stage} differs from one process by {diff}")
@@ -94,14 +91,9 @@ def equality(rank: int, world_size: int) -> dict:
         def torch_clip(model=model, clip=clip):
             return torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            with CommDebugMode() as comm:
-                fsdp.train(model, opt, 1, world_size=world_size, rank=rank, clip=torch_clip if clip else None)
-        fsdp.train(
-            model, opt, STEPS - 1, world_size=world_size, rank=rank, first_step=1, clip=torch_clip if clip else None
-        )
-        counts = fsdp.comm_counts(comm)
+        with comms.Recorder() as rec:
+            fsdp.train(model, opt, STEPS, world_size=world_size, rank=rank, clip=torch_clip if clip else None)
+        counts = {k: v // STEPS for k, v in rec.counts().items()}
         want_counts = {"all_gather": 5, "reduce_scatter": 3, **({"all_reduce": 1} if clip else {})}
         expect(counts == want_counts, f"{name} fully_shard counts {counts}, expected {want_counts}")
         diff = compare.max_difference(compare.full_parameters(model), reference)

@@ -4,15 +4,10 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor.debug import CommDebugMode
 
-from course_lib import compare
+from course_lib import comms, compare
 from course_lib import tensor_parallel as tp
 from course_lib.models import TransformerBlock
-
-
-def _counts(mode: CommDebugMode) -> dict[str, int]:
-    return {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}
 
 
 def against_torch(rank: int, world_size: int) -> dict:
@@ -29,32 +24,29 @@ def against_torch(rank: int, world_size: int) -> dict:
 
         mine = tp.ParallelTransformerBlock(TransformerBlock(seed=seed))
         x_mine = x.clone().requires_grad_()
-        tp.COMMS.clear()
-        y_mine = mine(x_mine)
-        y_mine.pow(2).sum().backward()
+        with comms.Recorder() as scratch:
+            y_mine = mine(x_mine)
+            y_mine.pow(2).sum().backward()
 
         theirs = tp.torch_parallel_block(mesh, seed=seed)
         x_theirs = x.clone().requires_grad_()
-        with CommDebugMode() as fwd:
+        with comms.Recorder() as torch_rec:
             y_theirs = theirs(x_theirs)
-        with CommDebugMode() as bwd:
             y_theirs.pow(2).sum().backward()
 
         # torchtitan's layout: the attention's and MLP's input one DTensor that q, k, v (up) share
         shared = tp.torch_parallel_block(mesh, shared_input=True, seed=seed)
         x_shared = x.clone().requires_grad_()
-        with CommDebugMode() as shared_fwd:
+        with comms.Recorder() as shared_rec:
             y_shared = shared(x_shared)
-        with CommDebugMode() as shared_bwd:
             y_shared.pow(2).sum().backward()
 
         s = shape[1] // world_size
         mine_rows = slice(rank * s, (rank + 1) * s)
         sp = tp.torch_parallel_block(mesh, sequence_parallel=True, seed=seed)
         x_sp = x[:, mine_rows].clone().requires_grad_()
-        with CommDebugMode() as sp_fwd:
+        with comms.Recorder() as sp_rec:
             y_sp = sp(x_sp)
-        with CommDebugMode() as sp_bwd:
             y_sp.pow(2).sum().backward()
 
         full_grads = compare.full_gradients(full)
@@ -87,13 +79,15 @@ def against_torch(rank: int, world_size: int) -> dict:
                     err(x_shared.grad, x_full.grad),
                     max(err(shared_full[n], full_grads[n]) for n in full_grads),
                 ),
-                scratch_comms=dict(tp.COMMS),
-                torch_fwd=_counts(fwd),
-                torch_bwd=_counts(bwd),
-                sp_fwd=_counts(sp_fwd),
-                sp_bwd=_counts(sp_bwd),
-                shared_fwd=_counts(shared_fwd),
-                shared_bwd=_counts(shared_bwd),
+                scratch_fwd=scratch.counts("forward"),
+                scratch_bwd=scratch.counts("backward"),
+                scratch_groups={c.group for c in scratch.calls},
+                torch_fwd=torch_rec.counts("forward"),
+                torch_bwd=torch_rec.counts("backward"),
+                sp_fwd=sp_rec.counts("forward"),
+                sp_bwd=sp_rec.counts("backward"),
+                shared_fwd=shared_rec.counts("forward"),
+                shared_bwd=shared_rec.counts("backward"),
                 params=tuple(compare.bytes_per_rank(block.parameters()) for block in (mine, theirs, full)),
             )
         )
