@@ -64,7 +64,8 @@ def check_accumulate(fn: Callable) -> None:
         micro_batches = list(zip(mine[0].chunk(n_mb), mine[1].chunk(n_mb)))
         with comms.Recorder() as sent:
             fn(model, micro_batches)
-        gathers, reductions = sent.counts().get("all_gather", 0), sent.counts().get("reduce_scatter", 0)
+        counts = sent.counts()
+        gathers, reductions = counts.get("all_gather", 0), counts.get("reduce_scatter", 0)
         if gathers != 2 * n_mb * 2:
             raise ExerciseFailed(
                 f"{n_mb} micro-batches of 2 blocks: parameters gathered {gathers} times, expected {4 * n_mb} "
