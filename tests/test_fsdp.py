@@ -8,6 +8,8 @@ rank program is tests/rank_programs/fsdp.py.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -30,6 +32,12 @@ def test_zero_stages_equal_single_process_and_fully_shard(nproc):
         if rank:  # rank 0's chunk is right on rank 0
             assert messages["reduce_rank0_chunk"].startswith("gradient of shape"), messages
         assert "return this rank's flat 1-D chunk" in messages["reduce_not_flat"], messages
+        for shortcut in ("reduce_all_then_slice", "reduce_gather_then_sum"):  # right numbers, too many bytes
+            assert re.fullmatch(
+                rf"gradient of shape {re.escape(str((4 * nproc, 3)))}: right numbers, but this rank sent [\d,]+ bytes "
+                r"of a [\d,]+-byte gradient where a reduce-scatter sends [\d,]+\. .*ZeRO-2 reduce-scatters.*",
+                messages[shortcut],
+            ), messages[shortcut]
     per_rank = [r["wrong_failed"] for r in results]
     assert set(per_rank[0]) == {
         "torch.chunk (ceil-sized chunks)",

@@ -285,6 +285,38 @@ def test_saved_no_init_script_sees_what_the_cell_sees(tmp_path):
     ]
 
 
+@pytest.mark.parametrize("fresh_store", [True, False])
+def test_a_restarted_saved_script_needs_a_fresh_store_and_says_so(tmp_path, fresh_store):
+    """Under plain torchrun a restarted group meets only on a fresh store; on the agent's shared one, which still
+    holds the dead group's addresses, init_distributed refuses at once, naming the variable that fixes it."""
+    body = textwrap.dedent("""
+        import os, signal
+        if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        print(f"attempt {os.environ['TORCHELASTIC_RESTART_COUNT']}: sum {t.item():g}")
+    """)
+    script = tmp_path / "job.py"
+    script.write_text(standalone_script(body, backend="gloo", nproc=2))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1" if fresh_store else "0"}
+    done = subprocess.run(
+        [*torchrun, "--max-restarts", "1", "--monitor-interval", "0.1", "--tee", "3", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env=env,
+    )
+    if fresh_store:
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.count("attempt 1: sum 2") == 2, done.stdout
+    else:
+        assert done.returncode != 0
+        assert "start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in done.stderr, done.stderr[-3000:]
+        assert "connectFullMesh" not in done.stderr  # refused before gloo tried the dead peer's address
+
+
 def test_spec_is_checked_once_and_read_back_by_the_ranks_unchanged(tmp_path):
     spec = RunSpec.create(
         nproc="3", backend="gloo", timeout="30", out="a,b", push=["w"], max_restarts="1", node_rank="1", env={"X": 1}

@@ -217,17 +217,34 @@ def test_clipping_exercise_checker_on_ranks():
 
 
 @pytest.mark.parametrize("nproc", [2, 3, 4])
-def test_prediction_of_bf16_bytes_per_rank(nproc):
-    """Exercise 1: 2P/N passes at every FSDP_NPROC; 4 bytes, forgetting /N, or N-1 fail."""
+def test_prediction_of_the_policys_shard_bytes(nproc):
+    """Exercise 1: 4P/N passes at every FSDP_NPROC against bytes FSDP2 really holds (one process, a fake group of
+    nproc ranks, rank 0); the bf16 guess 2P/N, forgetting /N, and N-1 fail."""
     from course_lib.exercises import check_prediction
 
-    model = MLP(d_hidden=256)
-    parameters = sum(p.numel() for p in model.parameters())
-    measured = 2 * sum(-(-p.shape[0] // nproc) * p[0].numel() for p in model.parameters())  # rank 0, Shard(0)
-    predict = SOLUTIONS["predicted_bf16_bytes"]
-    assert check_prediction("bf16", predict(parameters, nproc), measured, rtol=0.05) is True
-    for wrong in (4 * parameters / nproc, 2 * parameters, 2 * parameters / (nproc - 1)):
-        assert check_prediction("bf16", wrong, measured, rtol=0.05) is False, wrong
+    parameters = sum(p.numel() for p in MLP(d_hidden=512).parameters())
+    measured = _policy_shard_bytes_on_rank0(nproc)
+    predict = SOLUTIONS["predicted_shard_bytes"]
+    assert check_prediction("shards", predict(parameters, nproc), measured, rtol=0.05) is True
+    for wrong in (2 * parameters / nproc, 4 * parameters, 4 * parameters / (nproc - 1)):
+        assert check_prediction("shards", wrong, measured, rtol=0.05) is False, wrong
+
+
+def _policy_shard_bytes_on_rank0(nproc: int) -> int:
+    """What section 6's cell measures, in this process as rank 0 of a fake group of nproc ranks."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from course_lib.compare import bytes_per_rank
+
+    dist.init_process_group("fake", rank=0, world_size=nproc, store=FakeStore())
+    try:
+        model = MLP(d_hidden=512)
+        fully_shard(model, mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32))
+        return bytes_per_rank(model.parameters())
+    finally:
+        dist.destroy_process_group()
 
 
 def test_found_inf_checker_builds_the_gradients_on_the_ranks_device(monkeypatch):

@@ -130,7 +130,6 @@ def read_events(root: Path) -> list[dict]:
 
 def _node(index: int, body: str, backend: str, endpoint: str, rdzv_id: str, restarts: int, timeout_s: float) -> Node:
     env = {
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",  # a fresh store per round (elastic_train.join_group)
         "PET_RDZV_CONF": f"is_host={int(index == 0)},{RDZV_CONF}",  # torchrun reads its flags from PET_*
         "PET_LOCAL_ADDR": "127.0.0.1",
         "OMP_NUM_THREADS": "1",
@@ -171,8 +170,7 @@ def _wait(what: str, done: Callable[[], bool], nodes: list[Node], deadline: floa
                 tail = "\n".join(node.lines[-30:])
                 raise RuntimeError(f"{node.name}'s agent exited while waiting for {what}:\n{tail}")
         if time.monotonic() > deadline:
-            tails = "\n".join(f"--- {n.name}\n" + "\n".join(n.lines[-20:]) for n in nodes)
-            raise TimeoutError(f"gave up waiting for {what}: every process was ended\n{tails}")
+            raise TimeoutError(f"gave up waiting for {what}: every process was ended")
         time.sleep(0.1)
 
 
@@ -215,7 +213,8 @@ def run_elastic(
         agent = first.proc
         _wait("node 0 to finish", lambda: agent.poll() is not None, [], deadline)
     except BaseException as error:
-        for node in nodes:  # what the ranks said, before their run folders go
+        for node in nodes:  # what the agents and ranks said, before their run folders go
+            error.add_note(f"--- {node.name}'s agent, last lines:\n" + "\n".join(node.lines[-20:]))
             for log in sorted(node.run.logs.glob("*/attempt_*/*/stderr.log")):
                 tail = "\n".join(log.read_text().splitlines()[-15:])
                 error.add_note(f"--- {node.name}, {log.parent.parent.name}, a rank's stderr:\n{tail}")

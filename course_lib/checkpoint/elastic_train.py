@@ -13,7 +13,9 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -30,8 +32,8 @@ EVENTS = "events.jsonl"  # rank 0's log: one JSON object per line (start, step, 
 def join_group(backend: str, timeout_s: float) -> None:
     """init_process_group from torchrun's environment (env://): a fresh store per rendezvous round.
 
-    The agents run with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, so rank 0 of each round hosts a new store:
-    nothing of the previous round's group (another world size) is left in it.
+    The agents run with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (launch.processes.agent_env), so rank 0 of each
+    round hosts a new store: nothing of the previous round's group (another world size) is left in it.
     """
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -47,14 +49,19 @@ def _log(root: Path, entry: dict) -> None:
             f.write(json.dumps(entry) + "\n")
 
 
-def wait_for_membership_change(limit_s: float) -> None:
+def wait_for_membership_change(limit_s: float, on_ready: Callable[[], None] = lambda: None) -> None:
     """Idle at a checkpoint until the group changes; this process never returns from here.
 
     A tiny all-reduce on a gloo group every 0.2 s fails at once when a peer's process is gone (a node
     left: the agent then restarts the group); when a node joins, the agent stops this process itself.
+    `on_ready` runs once every rank has made its first beat: from then on, killing any rank ends the rest
+    at once. (Before it, a rank killed inside `new_group` can leave a peer retrying the connection to it
+    for the whole process-group timeout.)
     """
     heartbeat_group = dist.new_group(backend="gloo")  # on NCCL too: gloo notices a dead peer at once
     beat = torch.zeros(1)
+    dist.all_reduce(beat, group=heartbeat_group)
+    on_ready()
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
         dist.all_reduce(beat, group=heartbeat_group)
@@ -123,6 +130,6 @@ def train_elastic(
                 losses = reference_losses(total_steps, global_batch)
                 if rank == 0:
                     reference.write_text(json.dumps(losses))
-            _log(root, {"event": "pause", "world": world, "step": app.step})
-            wait_for_membership_change(timeout_s)
+            paused = {"event": "pause", "world": world, "step": app.step}
+            wait_for_membership_change(timeout_s, partial(_log, root, paused))  # logged once every rank waits
     dist.destroy_process_group()

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from course_lib import comms
 from course_lib.exercises import ExerciseFailed, expect_equal
 from course_lib.launch.runtime import rank_device
 
@@ -61,12 +62,18 @@ def check_shard_with_adam_state(fn: Callable[..., Sequence[torch.Tensor]]) -> No
 def check_reduce_gradient(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """fn(full_grad) -> this rank's tensor_split chunk of the gradient averaged over ranks. Every rank's
     gradient is its own (seeded by rank), so no rank can compute the answer without the others; sizes
-    that divide by N come first (a wrong cut gives wrong numbers there), then sizes that do not."""
+    that divide by N come first (a wrong cut gives wrong numbers there), then sizes that do not.
+
+    A right answer must also send no more than a reduce-scatter: the calls are recorded, and all-reducing
+    (or all-gathering) the whole gradient to keep one chunk, DDP's traffic, is refused. The cap is halfway
+    between a ring reduce-scatter's (N-1)/N and an all-reduce's 2(N-1)/N of the gradient's bytes, so a
+    ring of uneven chunks passes."""
     rank, n = dist.get_rank(), dist.get_world_size()
     for shape in [(4 * n, 3), (2 * n, 5), (2 * n + 1,), (5, 2 * n + 1)]:
         grads = [torch.randn(shape, generator=torch.Generator().manual_seed(100 * r + sum(shape))) for r in range(n)]
         mine = grads[rank].clone().to(rank_device())
-        got = fn(mine)
+        with comms.Recorder() as recorder:
+            got = fn(mine)
         got = got.cpu() if isinstance(got, torch.Tensor) else got
         expected = _my_chunk(torch.stack(grads).mean(0))
         failure = None
@@ -79,6 +86,7 @@ def check_reduce_gradient(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
                 )
             what = f"gradient of shape {shape} on {n} ranks, this rank's chunk of the average"
             expect_equal(what, got, expected, atol=1e-5)
+            _expect_reduce_scatter_traffic(shape, recorder.sent_bytes(comms.RING), mine.numel() * mine.element_size())
         except ExerciseFailed as wrong:
             failure = wrong
         # every rank stops at the same shape: a rank that went on alone would wait for the others forever
@@ -88,3 +96,14 @@ def check_reduce_gradient(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
             raise failure
         if wrong_somewhere.item():
             raise ExerciseFailed(f"gradient of shape {shape}: right on this rank, wrong on another")
+
+
+def _expect_reduce_scatter_traffic(shape: tuple[int, ...], sent: float, nbytes: int) -> None:
+    n = dist.get_world_size()
+    reduce_scatter = comms.RING["reduce_scatter"](n) * nbytes
+    if sent > 1.5 * reduce_scatter:
+        raise ExerciseFailed(
+            f"gradient of shape {shape}: right numbers, but this rank sent {sent:,.0f} bytes of a {nbytes:,}-byte "
+            f"gradient where a reduce-scatter sends {reduce_scatter:,.0f}. Reducing the whole gradient and keeping "
+            "one chunk is DDP's traffic; ZeRO-2 reduce-scatters, so each rank receives only its own chunk's sum"
+        )

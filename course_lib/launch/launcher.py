@@ -107,6 +107,8 @@ def standalone_script(body: str, *, backend: str = "auto", init: bool = True, np
         "# Written by %%torchrun --save. Run it with, for example:",
         f"#   torchrun --standalone --nproc-per-node {nproc} THIS_FILE.py",
         "#   torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 THIS_FILE.py",
+        "# With --max-restarts, put TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun: a restarted group needs",
+        "# a fresh store (runtime.init_distributed).",
     ]
     if not init:  # what every cell sees; the cell creates the process group itself
         head += [

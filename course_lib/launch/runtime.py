@@ -35,6 +35,12 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0, seed: int 
     (gloo under NCCL_PROCESS_GROUP), with TF32 off so that float32 means float32 on every device;
     gloo ranks run on the CPU. `seed` seeds every RNG identically on all ranks (None leaves them
     alone); use `seed + rank` in the cell when ranks should draw different numbers.
+
+    A group that torchrun restarted needs a store of its own: the course's agents run with
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, so rank 0 of each rendezvous round hosts a fresh one. On the
+    agent's shared store (torch's default) a restart is refused with that advice, since a key prefix per
+    attempt cannot be agreed on: TORCHELASTIC_RESTART_COUNT counts each node's own failures, so after one
+    node fails the nodes disagree on it.
     """
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     backend = resolve_backend(backend, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
@@ -47,14 +53,12 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0, seed: int 
         torch.backends.cudnn.fp32_precision = "ieee"
     else:
         device = torch.device("cpu")
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    if restart > 0:
-        # After torchrun restarts the group, the agent's store still holds the previous
-        # attempt's gloo/NCCL addresses under the same keys, and ranks connect to dead
-        # peers. A key prefix per attempt keeps each attempt's rendezvous apart.
-        kwargs["store"] = dist.PrefixStore(f"attempt_{restart}", _agent_store(timeout_s))
-        kwargs["rank"] = int(os.environ["RANK"])
-        kwargs["world_size"] = int(os.environ["WORLD_SIZE"])
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    if restarted and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise RuntimeError(
+            "this group was restarted on torchrun's shared store, which still holds the previous group's addresses "
+            "under the same keys: start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment"
+        )
     group_backend = NCCL_PROCESS_GROUP if backend == "nccl" else backend
     dist.init_process_group(group_backend, timeout=timedelta(seconds=timeout_s), **kwargs)
     if seed is not None:
@@ -67,17 +71,6 @@ def rank_device() -> torch.device:
     if dist.is_initialized() and "nccl" in str(dist.get_backend()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _agent_store(timeout_s: float) -> dist.Store:
-    """A client of the TCP store torchrun's agent serves at MASTER_ADDR:MASTER_PORT."""
-    return dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        int(os.environ["WORLD_SIZE"]),
-        is_master=False,
-        timeout=timedelta(seconds=timeout_s),
-    )
 
 
 def seed_everything(seed: int) -> None:

@@ -19,11 +19,14 @@ def shard_with_adam_state(param, exp_avg, exp_avg_sq):
 
 # Exercise 3 (diagnose): the broken version all-reduced each rank's *own* chunk, so rank r added its
 # chunk r to the other ranks' different chunks (and hung or failed when chunk sizes differ).
-# Reduce the whole gradient, then cut: the chunk of the sum is the sum of the chunks.
+# Cut first, then reduce-scatter: rank r receives the sum of every rank's chunk r and nothing else, half
+# the bytes of all-reducing the whole gradient and keeping a slice (DDP's traffic, which the check refuses).
 def reduce_gradient(full_grad):
     import torch
     import torch.distributed as dist
 
-    total = full_grad.reshape(-1).clone()
-    dist.all_reduce(total)
-    return torch.tensor_split(total / dist.get_world_size(), dist.get_world_size())[dist.get_rank()]
+    n, rank = dist.get_world_size(), dist.get_rank()
+    chunks = [chunk.contiguous() for chunk in torch.tensor_split(full_grad.reshape(-1), n)]
+    mine = torch.empty_like(chunks[rank])
+    dist.reduce_scatter(mine, chunks)  # chunk sizes may differ: the list form takes them as they are
+    return mine / n

@@ -3,13 +3,14 @@
 Each function is self-contained (imports inside), because `check` sends its source to the ranks.
 """
 
-# Exercise 1 (predict): bytes of bf16 parameters per rank for MLP(d_hidden=256) sharded by FSDP2 over
-# FSDP_NPROC ranks. Each parameter is 2 bytes in bf16, and each rank holds 1/N of them (Shard(0)):
-#     predicted_bf16_bytes = 2 * P / N,   P = sum(p.numel() for p in MLP(d_hidden=256).parameters())
+# Exercise 1 (predict): bytes of rank 0's sharded parameters for MLP(d_hidden=512) under FSDP2 with the bf16
+# policy, on FSDP_NPROC ranks. The policy casts to bf16 only what it gathers: the shards the optimizer updates stay
+# fp32, 4 bytes each, and each rank holds 1/N of them (Shard(0)). 2 * P / N, the bf16 guess, is the trap.
+#     predicted_shard_bytes = 4 * P / N,   P = sum(p.numel() for p in MLP(d_hidden=512).parameters())
 
 
-def predicted_bf16_bytes(parameters: int, ranks: int) -> float:
-    return 2 * parameters / ranks
+def predicted_shard_bytes(parameters: int, ranks: int) -> float:
+    return 4 * parameters / ranks
 
 
 # Exercise 2 (implement): one found-inf flag for all ranks.

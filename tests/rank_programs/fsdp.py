@@ -135,7 +135,8 @@ def equality(rank: int, world_size: int) -> dict:
         except ExerciseFailed:
             wrong_failed[what] = True
     reduce_messages = {}
-    for fn in (reduce_own_chunk, reduce_local_only, reduce_sum_not_mean, reduce_rank0_chunk, reduce_not_flat):
+    wrong_numbers = (reduce_own_chunk, reduce_local_only, reduce_sum_not_mean, reduce_rank0_chunk, reduce_not_flat)
+    for fn in (*wrong_numbers, reduce_all_then_slice, reduce_gather_then_sum):
         try:
             fsdp.check_reduce_gradient(fn)
             reduce_messages[fn.__name__] = "passed"
@@ -174,3 +175,19 @@ def reduce_not_flat(full_grad: torch.Tensor) -> torch.Tensor:
     total = full_grad.clone()
     dist.all_reduce(total)
     return torch.tensor_split(total / dist.get_world_size(), dist.get_world_size())[dist.get_rank()]
+
+
+# the shortcuts: right numbers with DDP's traffic (or more), where ZeRO-2 reduce-scatters
+
+
+def reduce_all_then_slice(full_grad: torch.Tensor) -> torch.Tensor:  # all-reduce everything, keep a chunk
+    total = full_grad.reshape(-1).clone()
+    dist.all_reduce(total)
+    return torch.tensor_split(total / dist.get_world_size(), dist.get_world_size())[dist.get_rank()]
+
+
+def reduce_gather_then_sum(full_grad: torch.Tensor) -> torch.Tensor:  # every rank's whole gradient, summed here
+    everyone = [torch.empty_like(full_grad) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, full_grad.contiguous())
+    mean = torch.stack(everyone).mean(0).reshape(-1)
+    return torch.tensor_split(mean, dist.get_world_size())[dist.get_rank()]
