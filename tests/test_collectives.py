@@ -207,6 +207,20 @@ def all_gather_with_torch(chunk, sizes):
     return torch.cat(out)
 
 
+def _old_fixed_seed_data(numel, rank):  # what the checkers once fed: knowable without communicating
+    return torch.randint(-9, 10, (numel,), generator=torch.Generator().manual_seed(1000 * numel + rank)).float()
+
+
+def reduce_scatter_from_the_seed(tensor):  # every rank's data recomputed here, no message sent
+    n = dist.get_world_size()
+    total = sum(_old_fixed_seed_data(tensor.numel(), r) for r in range(n))
+    return torch.tensor_split(total, n)[dist.get_rank()]
+
+
+def all_gather_from_the_seed(chunk, sizes):
+    return _old_fixed_seed_data(sum(sizes), 0)
+
+
 def pass_right_receive_first(token):
     import torch
     import torch.distributed as dist
@@ -267,6 +281,8 @@ WRONG = [
     ("all_gather_own_chunk_only", "check_all_gather", "expected shape (12,)"),
     ("all_gather_reversed", "check_all_gather", "all_gather of 12 elements on 3 ranks"),
     ("all_gather_with_torch", "check_all_gather", "dist.all_gather is not allowed"),
+    ("reduce_scatter_from_the_seed", "check_reduce_scatter", "reduce_scatter of 12 elements on 3 ranks"),
+    ("all_gather_from_the_seed", "check_all_gather", "all_gather of 12 elements on 3 ranks"),
     ("pass_right_nonblocking", "check_pass_right", "dist.isend is not allowed here: the exercise is to fix the order"),
     ("pass_right_wrong_direction", "check_pass_right", "(the token of rank"),
     ("pass_right_local", "check_pass_right", "(the token of rank"),

@@ -209,6 +209,25 @@ def gathered_ring_forward(q, k, v):
     return cp.block_attention(q, torch.cat(ks, dim=2), torch.cat(vs, dim=2))[0]
 
 
+def relayed_then_sdpa_forward(q, k, v):  # the blocks go round the ring, but only to be stacked for one SDPA
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    kv, blocks = torch.stack([k, v]), []
+    for step in range(n):
+        blocks.append(kv)
+        if step < n - 1:
+            incoming = torch.empty_like(kv)
+            ops = [dist.P2POp(dist.isend, kv, (rank + 1) % n), dist.P2POp(dist.irecv, incoming, (rank - 1) % n)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            kv = incoming
+    whole = torch.cat(blocks, dim=3)  # every rank's K and V: no ring, no online softmax
+    return F.scaled_dot_product_attention(q, whole[0], whole[1])
+
+
 def averaged_ring_forward(q, k, v):
     import torch
     import torch.distributed as dist
@@ -237,5 +256,6 @@ def test_ring_forward_checker(capsys):
         local_ring_forward: "sent no message",
         gathered_ring_forward: "dist.all_gather is not allowed",
         averaged_ring_forward: "elements wrong",
+        relayed_then_sdpa_forward: "built a tensor spanning all 9 tokens (chunks of 3): you gathered the whole K/V",
     }
     assert_checker(checker, SOLUTIONS["ring_forward"], wrong, nproc=3)

@@ -134,6 +134,16 @@ def wrong_max_only(model):
     return bool(torch.equal(high, mine))  # the rank holding the maximum believes all is well
 
 
+def wrong_whole_gradients(model):  # right verdicts, by sending every gradient value twice
+    import torch.distributed as dist
+
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in model.parameters()])
+    high, low = flat.clone(), flat.clone()
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    return bool(torch.equal(high, low))
+
+
 def gradients_in_sync(model):
     raise NotImplementedError
 
@@ -166,6 +176,11 @@ def test_exercise_stub_is_not_attempted(capsys):
             "two entries of one gradient swapped on rank 1: expected False on every rank, got True on rank ",
         ),
         (wrong_max_only, "one gradient entry changed on rank 2: expected False on every rank, got True on rank 2"),
+        (
+            wrong_whole_gradients,
+            "gradients identical on every rank: this rank's collectives carried 39,968 bytes for 19,984 bytes of "
+            "gradients. Comparing whole gradients costs as much as the all-reduce being audited",
+        ),
     ],
 )
 def test_exercise_wrong_answers_fail_naming_the_rank(wrong, expected, capsys):

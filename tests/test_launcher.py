@@ -317,6 +317,15 @@ def test_a_restarted_saved_script_needs_a_fresh_store_and_says_so(tmp_path, fres
         assert "connectFullMesh" not in done.stderr  # refused before gloo tried the dead peer's address
 
 
+def test_only_agents_that_may_restart_get_a_fresh_store_per_round():
+    """A restart needs a fresh store (above); every other run keeps torch's shared store, which outlives rank 0."""
+    from course_lib.launch.processes import agent_env
+
+    assert agent_env(RunSpec(nproc=2, max_restarts=1))["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    key = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+    assert agent_env(RunSpec(nproc=2)).get(key) == os.environ.get(key)  # left as the kernel has it
+
+
 def test_spec_is_checked_once_and_read_back_by_the_ranks_unchanged(tmp_path):
     spec = RunSpec.create(
         nproc="3", backend="gloo", timeout="30", out="a,b", push=["w"], max_restarts="1", node_rank="1", env={"X": 1}

@@ -113,6 +113,16 @@ def mean_loss_local(loss):
     return loss
 
 
+def mean_loss_printed_everywhere(loss):
+    import torch.distributed as dist
+
+    total = loss.clone()
+    dist.all_reduce(total)
+    mean = total / dist.get_world_size()
+    print(f"mean loss {mean.item():.3f}")  # on every rank: N lines
+    return mean
+
+
 WRONG = [
     ("rank_sum_from_the_formula", "check_rank_sum", "called no torch.distributed function"),
     ("rank_sum_scaled_locally", "check_rank_sum", "called no torch.distributed function"),
@@ -125,6 +135,7 @@ WRONG = [
     ("gather_values_as_tensor", "check_gather_values", "must return a list, got Tensor"),
     ("mean_loss_without_dividing", "check_mean_loss", "mean_loss(loss) on rank"),
     ("mean_loss_local", "check_mean_loss", "called no torch.distributed function"),
+    ("mean_loss_printed_everywhere", "check_mean_loss", "mean_loss printed 3 lines in all (per rank: [1, 1, 1])"),
 ]
 
 

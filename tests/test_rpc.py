@@ -159,6 +159,12 @@ def add_without_lock(counter_rref, amount):
     return total
 
 
+def add_in_place(counter_rref, amount):  # the lock-free shortcut: += on the value, no read/write, no lock
+    counter = counter_rref.local_value()
+    counter.value += amount
+    return counter.value
+
+
 def add_returning_amount(counter_rref, amount):
     counter = counter_rref.local_value()
     with counter.lock:
@@ -220,6 +226,7 @@ def test_reference_solutions_pass(nproc, capsys):
     "wrong, checker, says",
     [
         (add_without_lock, rpc_lib.check_counter, "total expected 8, got"),
+        (add_in_place, rpc_lib.check_counter, "total expected 8, got"),
         (add_returning_amount, rpc_lib.check_counter, "each call must return the total"),
         (join_round_replacing_the_future, rpc_lib.check_join_round, "was never completed"),
         (join_round_never_reset, rpc_lib.check_join_round, "round 1: expected the 2 values of the round, sorted"),

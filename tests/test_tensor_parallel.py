@@ -110,6 +110,18 @@ def averaged_row_parallel_forward(x_slice, weight_slice, bias):
     return y / dist.get_world_size()  # averages the partial products instead of summing them
 
 
+def gathered_row_parallel_forward(x_slice, weight_slice, bias):
+    import torch
+    import torch.distributed as dist
+
+    def gather(t):  # every rank's slice of the feature dimension, side by side
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, t.contiguous())
+        return torch.cat(parts, dim=1)
+
+    return gather(x_slice) @ gather(weight_slice).T + bias  # the whole layer on every rank: right, no split
+
+
 def stub_row_parallel_forward(x_slice, weight_slice, bias):
     raise NotImplementedError  # your code here
 
@@ -124,6 +136,10 @@ def test_row_parallel_forward_checker(capsys):
         local_row_parallel_forward: "elements wrong",
         no_bias_row_parallel_forward: "off by -1 times its column's bias",
         averaged_row_parallel_forward: "(18 of 18 elements wrong)",
+        # 3 ranks, 3 rows: gathering x (3 x 4 floats a slice) and W (6 x 4) sends 2/3 of 3 x (48 + 96) = 288 bytes,
+        # where a ring all-reduce of y (3 x 6 floats) sends 2 x 2/3 x 72 = 96
+        gathered_row_parallel_forward: "right numbers, but this rank sent 288 bytes where one all-reduce of the "
+        "partial output sends 96",
     }
     assert_checker(checker, SOLUTIONS["row_parallel_forward"], wrong, nproc=3)
 

@@ -32,8 +32,8 @@ EVENTS = "events.jsonl"  # rank 0's log: one JSON object per line (start, step, 
 def join_group(backend: str, timeout_s: float) -> None:
     """init_process_group from torchrun's environment (env://): a fresh store per rendezvous round.
 
-    The agents run with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (launch.processes.agent_env), so rank 0 of each
-    round hosts a new store: nothing of the previous round's group (another world size) is left in it.
+    The agents may restart, so they run with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (launch.processes.agent_env):
+    rank 0 of each round hosts a new store, where nothing of the previous round's group (another world size) is left.
     """
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))

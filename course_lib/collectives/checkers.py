@@ -33,18 +33,17 @@ def _check_sizes(n: int) -> list[int]:
     return [4 * n, 4 * n + 1, 2 * n + n - 1, 1, 37]
 
 
-def _rank_data(numel: int, rank: int) -> torch.Tensor:
-    # Whole numbers: the sum is exact in any order, so any correct algorithm matches exactly.
-    gen = torch.Generator().manual_seed(1000 * numel + rank)
-    data = torch.randint(-9, 10, (numel,), generator=gen).float()
-    return data.to(rank_device())  # where a model's tensors are: the GPU under NCCL
+def _secret(numel: int) -> torch.Tensor:
+    """Whole numbers only this rank knows, new at every call (the sum is exact in any order, so any correct
+    algorithm matches exactly): the answer cannot be recomputed without the other ranks' data."""
+    return secret_values((numel,)).to(rank_device())  # where a model's tensors are: the GPU under NCCL
 
 
 def check_reduce_scatter(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """fn(tensor) on every rank must return chunk `rank` of the sum, cut as torch.tensor_split does."""
     rank, n = dist.get_rank(), dist.get_world_size()
     for numel in _check_sizes(n):
-        data = _rank_data(numel, rank)
+        data = _secret(numel)
         total = data.clone()
         dist.all_reduce(total)
         expected = torch.tensor_split(total, n)[rank]
@@ -61,7 +60,8 @@ def check_all_gather(fn: Callable[[torch.Tensor, list[int]], torch.Tensor]) -> N
     """fn(chunk, sizes) on every rank must return all chunks concatenated in rank order."""
     rank, n = dist.get_rank(), dist.get_world_size()
     for numel in _check_sizes(n):
-        full = _rank_data(numel, 0)  # the same on every rank: the expected answer
+        full = _secret(numel)
+        dist.broadcast(full, src=0)  # rank 0's draw on every rank: the expected answer, of which fn sees one chunk
         sizes = chunk_sizes(numel, n)
         chunk = torch.tensor_split(full, n)[rank].clone()
         with record_calls(forbidden=COLLECTIVES, advice=_POINT_TO_POINT_ONLY):

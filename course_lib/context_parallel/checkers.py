@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from course_lib.exercises import ExerciseFailed, expect_equal
 from course_lib.launch.runtime import rank_device
@@ -31,7 +34,8 @@ def check_ring_forward(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], 
     """fn(q, k, v) -> this rank's rows of softmax(Q Kᵀ/√d) V over the whole sequence (no mask).
 
     q, k, v (batch, heads, c, d) are chunk r of a sequence cut into N equal chunks, one per rank; the
-    blocks must travel with point-to-point messages (collectives are switched off while fn runs).
+    blocks must travel with point-to-point messages (collectives are switched off while fn runs), and no tensor
+    fn makes may span the whole sequence (the shortcut of gathering every block and calling attention once).
     """
     rank, n = dist.get_rank(), dist.get_world_size()
     side = side_group()
@@ -42,13 +46,20 @@ def check_ring_forward(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], 
         full_q, full_k, full_v = (torch.cat([mine[i] for mine in everyone], dim=2) for i in range(3))
         expected = F.scaled_dot_product_attention(full_q, full_k, full_v)[:, :, rank * chunk : (rank + 1) * chunk]
         device = rank_device()
-        with record_calls(forbidden=COLLECTIVES, advice=_RING_ONLY, bound_s=_TIMEOUT_S) as calls:
+        with record_calls(forbidden=COLLECTIVES, advice=_RING_ONLY, bound_s=_TIMEOUT_S) as calls, _Longest() as seen:
             got, error = run_bounded(fn, q.to(device), k.to(device), v.to(device), seconds=_TIMEOUT_S)
-        reports = gather_reports(None if error is None else f"{type(error).__name__}: {error}", side)
-        failed = [(r, e) for r, e in enumerate(reports) if e is not None]
+        reports = gather_reports((None if error is None else f"{type(error).__name__}: {error}", seen.longest), side)
+        failed = [(r, e) for r, (e, _) in enumerate(reports) if e is not None]
         if failed:
             r, e = failed[0]
             raise ExerciseFailed(f"rank {r} raised or waited too long ({e}) with chunks of {chunk} tokens")
+        whole = [r for r, (_, longest) in enumerate(reports) if n > 1 and longest >= n * chunk]
+        if whole:
+            raise ExerciseFailed(
+                f"ranks {whole} built a tensor spanning all {n * chunk} tokens (chunks of {chunk}): you gathered the "
+                "whole K/V (or every score) on one rank. A ring never holds more than a block or two: attend to each "
+                "block as it arrives and merge the partial results with the online softmax"
+            )
         if not any(call.name in BLOCKING_P2P + NONBLOCKING_P2P for call in calls):
             raise ExerciseFailed(f"rank {rank} sent no message: its queries need every rank's keys and values")
         if not isinstance(got, torch.Tensor):
@@ -60,3 +71,19 @@ def check_ring_forward(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], 
             atol=1e-5,
             rtol=1e-4,
         )
+
+
+class _Longest(TorchDispatchMode):
+    """The longest last or second-to-last dimension of any tensor an op makes while active: the most tokens
+    (keys, or scores per query) one tensor held."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.longest = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.dim() >= 2:
+                self.longest = max(self.longest, t.shape[-2], t.shape[-1])
+        return out

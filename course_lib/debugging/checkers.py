@@ -14,16 +14,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from course_lib import comms
 from course_lib.exercises import ExerciseFailed
 from course_lib.launch.runtime import rank_device
 
 
 def _model_with_gradients(seed_offset: int) -> nn.Module:
-    """A small MLP whose gradients are identical on every rank (same weights, same batch)."""
+    """A small MLP whose gradients are identical on every rank (same weights, same batch): 4,996 values in 6
+    tensors, so comparing whole gradients costs hundreds of times a checksum per tensor."""
     from course_lib.models import MLP
 
     device = rank_device()
-    model = MLP(d_in=8, d_hidden=16, d_out=4, n_layers=2).to(device)
+    model = MLP(d_in=8, d_hidden=64, d_out=4, n_layers=2).to(device)
     g = torch.Generator().manual_seed(100 + seed_offset)
     x, y = torch.randn(16, 8, generator=g).to(device), torch.randn(16, 4, generator=g).to(device)
     nn.functional.mse_loss(model(x), y).backward()
@@ -34,7 +36,9 @@ def check_gradients_in_sync(fn: Callable[[nn.Module], object]) -> None:
     """fn(model) must return True on every rank when gradients agree, False on every rank when not.
 
     Cases: in sync; one entry nudged on the last rank; on rank 0; two entries swapped on rank 1 (a
-    plain sum would not see it); a parameter without a gradient on every rank (still in sync).
+    plain sum would not see it); a parameter without a gradient on every rank (still in sync). The calls are
+    recorded: a rank whose collectives carry more than 64 bytes per gradient tensor and rank (a few checksums
+    each, gathered or reduced) compared the gradients themselves, and is refused.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
 
@@ -61,7 +65,17 @@ def check_gradients_in_sync(fn: Callable[[nn.Module], object]) -> None:
         model = _model_with_gradients(i)
         if fault is not None:
             fault(model, on_rank)
-        got = fn(model)
+        with comms.Recorder() as recorder:
+            got = fn(model)
+        carried = sum(call.nbytes for call in comms.outermost(recorder.calls))
+        tensors = sum(1 for _ in model.parameters())
+        if carried > 64 * tensors * world:
+            gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+            raise ExerciseFailed(
+                f"{what}: this rank's collectives carried {carried:,} bytes for {gradient_bytes:,} bytes of gradients. "
+                f"Comparing whole gradients costs as much as the all-reduce being audited; {tensors} checksums, one "
+                "per gradient tensor, tell the ranks apart just as well"
+            )
         if not isinstance(got, (bool, torch.Tensor)) or (isinstance(got, torch.Tensor) and got.numel() != 1):
             raise ExerciseFailed(f"gradients_in_sync must return True or False, got {got!r}")
         got = bool(got)

@@ -59,9 +59,11 @@ def agent_env(spec: RunSpec) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"  # output of a rank that is killed is not lost
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_IMPORT_ROOT), env.get("PYTHONPATH")]))
     env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "[rank${rank}]: "  # output.STREAM_PREFIX reads it
-    # Rank 0 of every rendezvous round hosts a fresh store. Shared across rounds (torch's default), the agent's store
-    # keeps the last round's addresses under the same keys, and a restarted group connects to dead peers.
-    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    if spec.max_restarts:
+        # Rank 0 of every rendezvous round hosts a fresh store. Shared across rounds (torch's default), the agent's
+        # store keeps the last round's addresses under the same keys, and a restarted group connects to dead peers.
+        # Only where a group may restart: the shared store outlives rank 0, which RPC's shutdown relies on.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     env.pop("PYTEST_CURRENT_TEST", None)
     return env
 

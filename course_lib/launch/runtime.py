@@ -36,7 +36,7 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0, seed: int 
     gloo ranks run on the CPU. `seed` seeds every RNG identically on all ranks (None leaves them
     alone); use `seed + rank` in the cell when ranks should draw different numbers.
 
-    A group that torchrun restarted needs a store of its own: the course's agents run with
+    A group that torchrun restarted needs a store of its own: the course's agents that may restart run with
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, so rank 0 of each rendezvous round hosts a fresh one. On the
     agent's shared store (torch's default) a restart is refused with that advice, since a key prefix per
     attempt cannot be agreed on: TORCHELASTIC_RESTART_COUNT counts each node's own failures, so after one

@@ -7,6 +7,9 @@ The solutions are in notebooks/solutions/00_torchrun_and_process_groups.py.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -60,7 +63,8 @@ def check_gather_values(fn: Callable[[int], list[int]]) -> None:
 
 
 def check_mean_loss(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """fn(loss) on every rank must return the mean of every rank's loss, with every rank making the same calls.
+    """fn(loss) on every rank must return the mean of every rank's loss, with every rank making the same calls,
+    and print one line in all (what each rank prints is captured, counted and shown).
 
     The broken version all-reduces on rank 0 only: rank 0 waits for partners that never come. The
     learner's function runs with a short timeout, so that hang ends in seconds; then every rank compares
@@ -76,13 +80,16 @@ def check_mean_loss(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
     expected = loss.clone()
     dist.all_reduce(expected)
     expected /= n
-    with record_calls() as calls:
+    printed = io.StringIO()
+    with record_calls() as calls, contextlib.redirect_stdout(printed):
         got, error = run_bounded(fn, loss.clone())
+    sys.stdout.write(printed.getvalue())  # the learner sees what their function printed
     names = [call.name for call in calls]
-    reports = gather_reports((names, None if error is None else type(error).__name__), side)
-    stuck = [r for r, (_, failed) in enumerate(reports) if failed]
-    if len({tuple(calls_of_rank) for calls_of_rank, _ in reports}) > 1:
-        made = "; ".join(f"rank {r}: {calls_of_rank or 'none'}" for r, (calls_of_rank, _) in enumerate(reports))
+    lines = len(printed.getvalue().splitlines())
+    reports = gather_reports((names, None if error is None else type(error).__name__, lines), side)
+    stuck = [r for r, (_, failed, _) in enumerate(reports) if failed]
+    if len({tuple(calls_of_rank) for calls_of_rank, _, _ in reports}) > 1:
+        made = "; ".join(f"rank {r}: {calls_of_rank or 'none'}" for r, (calls_of_rank, _, _) in enumerate(reports))
         waited = f" (ranks {stuck} waited in vain until the timeout)" if stuck else ""
         raise ExerciseFailed(
             f"the ranks made different communication calls ({made}){waited}: "
@@ -94,3 +101,9 @@ def check_mean_loss(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
     if not isinstance(got, torch.Tensor):
         raise ExerciseFailed(f"mean_loss must return a tensor, got {type(got).__name__}")
     expect_equal(f"mean_loss(loss) on rank {rank} of {n}", got.reshape(-1).cpu(), expected.cpu())
+    lines_per_rank = [rank_lines for _, _, rank_lines in reports]
+    if sum(lines_per_rank) != 1:
+        raise ExerciseFailed(
+            f"mean_loss printed {sum(lines_per_rank)} lines in all (per rank: {lines_per_rank}): the log needs one "
+            "line, so one rank prints it after the collective that every rank calls"
+        )

@@ -21,24 +21,32 @@ AddFn = Callable[[rpc.RRef, int], int]  # add_fn(counter_rref, amount) -> the to
 
 
 class Counter:
-    """State on the owner. Reading is slow (as a real store would be), so two RPC threads
-    that read, add and write without holding `lock` lose updates."""
+    """State on the owner. Every read is slow (as a real store's would be), so two RPC threads that read,
+    add and write without holding `lock` lose updates, through read/write or through `value += amount` alike."""
 
     def __init__(self):
-        self.value = 0
+        self._value = 0
         self.lock = threading.Lock()
 
-    def read(self) -> int:
-        value = self.value
+    @property
+    def value(self) -> int:
+        value = self._value
         time.sleep(0.02)  # the value is on its way back while other threads may write
         return value
+
+    @value.setter
+    def value(self, value: int) -> None:
+        self._value = value
+
+    def read(self) -> int:
+        return self.value
 
     def write(self, value: int) -> None:
         self.value = value
 
 
 def _read_counter(counter_rref: rpc.RRef) -> int:
-    return counter_rref.local_value().value
+    return counter_rref.local_value()._value
 
 
 def check_counter(add_fn: AddFn, calls_per_trainer: int = 8, amount_base: int = 1) -> None:

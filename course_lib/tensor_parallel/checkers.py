@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from course_lib import comms
 from course_lib.exercises import ExerciseFailed
 from course_lib.launch.runtime import rank_device
 from course_lib.tensor_parallel.layers import RowParallelLinear
@@ -67,7 +68,7 @@ def check_row_parallel_forward(fn: Callable[[torch.Tensor, torch.Tensor, torch.T
 
     Rank r holds only its slice of the input features (x_slice, weight_slice: data no other rank has) and
     the replicated bias, on the rank's device; the result must equal the unsharded layer's on every rank, for
-    two widths.
+    two widths, and the calls are recorded: a rank may send no more than one ring all-reduce of the output.
     """
     rank, n = dist.get_rank(), dist.get_world_size()
     device = rank_device()
@@ -80,7 +81,8 @@ def check_row_parallel_forward(fn: Callable[[torch.Tensor, torch.Tensor, torch.T
         x = torch.randn(rows, 4 * n).to(device)
         expected = full(x).detach()
         mine = slice(4 * rank, 4 * (rank + 1))
-        got = fn(x[:, mine].clone(), full.weight.detach()[:, mine].clone(), full.bias.detach().clone())
+        with comms.Recorder() as recorder:
+            got = fn(x[:, mine].clone(), full.weight.detach()[:, mine].clone(), full.bias.detach().clone())
         if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
             shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
             raise ExerciseFailed(
@@ -96,4 +98,11 @@ def check_row_parallel_forward(fn: Callable[[torch.Tensor, torch.Tensor, torch.T
             raise ExerciseFailed(
                 f"rank {rank}: y[{i}, {j}] expected {expected[i, j].item():.5g}, got {got[i, j].item():.5g} "
                 f"({int(wrong.sum())} of {wrong.numel()} elements wrong){hint}"
+            )
+        sent, budget = recorder.sent_bytes(), comms.RING["all_reduce"](n) * expected.numel() * expected.element_size()
+        if sent > budget:
+            raise ExerciseFailed(
+                f"rank {rank}: right numbers, but this rank sent {sent:,.0f} bytes where one all-reduce of the partial "
+                f"output sends {budget:,.0f}: gathering the inputs or the weights to multiply locally undoes the row "
+                "split. Each rank multiplies its own slices; only the partial products travel"
             )
