@@ -45,21 +45,26 @@ H100_NODES = Cluster()  # 8 H100 per node: NVLink 4 inside, one 400 Gb/s InfiniB
 
 
 def activation_bytes_per_layer(
-    m: ModelShape, tp: int, sequence_parallel: bool = True, recompute: str = "selective"
+    m: ModelShape, tp: int, sequence_parallel: bool = True, recompute: str = "none", attention: str = "sdpa"
 ) -> float:
-    """Activations one layer keeps for backward, per micro-batch, 16-bit (Korthikanti et al. 2022):
+    """Activations one layer keeps for backward, per micro-batch, 16-bit (Korthikanti et al. 2022, as torch runs it):
 
-    s*b*h * (10 + 24/t + 5*a*s/(h*t))   plain tensor parallel
-    s*b*h * (34/t + 5*a*s/(h*t))        + sequence parallel (norms and dropout sharded too)
-    drop the 5*a*s/(h*t) term           + selective recomputation of attention scores
-    2*s*b*h (/t with SP)                full recomputation: only the layer's input is kept
+    s*b*h * (10 + 24/t)       plain tensor parallel
+    s*b*h * (4 + 30/t)        + sequence parallel with torch's plan: the LayerNorms run on s/t tokens, but the
+                              all-gathered LayerNorm outputs that q, k, v and the MLP's first Linear save stay
+                              whole (2*s*b*h each; notebook 05 measures the course block's version); Megatron
+                              all-gathers them again in backward instead and keeps 34/t
+    + 5*a*s/(h*t)             attention="eager": the s x s scores kept (probabilities, dropout mask and output).
+                              SDPA's fused kernels keep none, only a log-sum-exp per query; selective
+                              recomputation (recompute="selective") drops them too
+    2*s*b*h (/t with SP)      recompute="full": only the layer's input is kept
     """
     s, b, h, a = m.seq, m.micro_batch, m.hidden, m.heads
     if recompute == "full":
         return 2 * s * b * h / (tp if sequence_parallel else 1)
-    attention_scores = 0.0 if recompute == "selective" else 5 * a * s / (h * tp)
-    linear = 34 / tp if sequence_parallel else 10 + 24 / tp
-    return s * b * h * (linear + attention_scores)
+    scores = 5 * a * s / (h * tp) if attention == "eager" and recompute != "selective" else 0.0
+    linear = 4 + 30 / tp if sequence_parallel else 10 + 24 / tp
+    return s * b * h * (linear + scores)
 
 
 def microbatches(global_batch: int, dp: int, micro_batch: float) -> int:
@@ -118,10 +123,11 @@ def plan(
     global_batch: int = 1024,
     zero_stage: int = 3,
     sequence_parallel: bool = True,
-    recompute: str = "selective",
+    recompute: str = "none",
+    attention: str = "sdpa",
     reshard_after_forward: bool = True,
-    reshard_after_backward: bool = True,
-    defer_grad_sync: bool = False,
+    reshard_after_backward: bool | None = None,
+    defer_grad_sync: bool | None = None,
     bytes_per_value: int = 2,
     mfu: float = 0.4,
 ) -> dict[str, float]:
@@ -133,12 +139,17 @@ def plan(
     Per micro-batch: TP all-reduces activations `m.tp_all_reduces` times per layer; PP sends one activation
     forward and one gradient back per stage boundary. FSDP's traffic is in :func:`fsdp_collectives`:
     ZeRO-3 all-gathers parameters in every micro-batch's forward and backward and reduce-scatters
-    gradients per micro-batch, unless told otherwise.
+    gradients per micro-batch, unless told otherwise. With pp > 1, `reshard_after_backward` and
+    `defer_grad_sync` default to what torch.distributed.pipelining sets on an FSDP stage (stage.py: parameters
+    kept gathered after a micro-batch's backward, one gradient sync after the last): False and True.
     """
     if tp > cluster.gpus_per_node:
         raise ValueError(f"tp={tp} spans nodes: keep tensor parallelism inside a node (tp <= {cluster.gpus_per_node})")
     if m.layers % pp:
         raise ValueError(f"{m.layers} layers do not split into pp={pp} equal stages")
+    piped = pp > 1
+    reshard_after_backward = not piped if reshard_after_backward is None else reshard_after_backward
+    defer_grad_sync = piped if defer_grad_sync is None else defer_grad_sync
     n_mb = microbatches(global_batch, dp, m.micro_batch)
     params_per_gpu = m.n_params / (tp * pp)
     state = zero_bytes_per_gpu(params_per_gpu, dp, zero_stage)
@@ -147,7 +158,7 @@ def plan(
         kept += params_per_gpu * 2 * (dp - 1) / dp
     if zero_stage >= 2 and defer_grad_sync:
         kept += params_per_gpu * 4 * (dp - 1) / dp  # fp32 gradients accumulate unsharded
-    activations = m.layers * activation_bytes_per_layer(m, tp, sequence_parallel, recompute)
+    activations = m.layers * activation_bytes_per_layer(m, tp, sequence_parallel, recompute, attention)
     act_msg = m.seq * m.micro_batch * m.hidden * bytes_per_value  # one activation tensor of a micro-batch
     tp_bytes = (m.layers / pp) * m.tp_all_reduces * 2 * (tp - 1) / tp * act_msg * n_mb
     calls = fsdp_collectives(n_mb, zero_stage, reshard_after_forward, reshard_after_backward, defer_grad_sync)
