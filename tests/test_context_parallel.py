@@ -209,42 +209,38 @@ def gathered_ring_forward(q, k, v):
     return cp.block_attention(q, torch.cat(ks, dim=2), torch.cat(vs, dim=2))[0]
 
 
-def relayed_then_sdpa_forward(q, k, v):  # the blocks go round the ring, but only to be stacked for one SDPA
+def _ring_blocks(k, v):
+    """Each rank's stacked K/V block in turn, passed one step round the ring between yields."""
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
 
     rank, n = dist.get_rank(), dist.get_world_size()
-    kv, blocks = torch.stack([k, v]), []
+    kv = torch.stack([k, v])
     for step in range(n):
-        blocks.append(kv)
+        yield kv
         if step < n - 1:
             incoming = torch.empty_like(kv)
             ops = [dist.P2POp(dist.isend, kv, (rank + 1) % n), dist.P2POp(dist.irecv, incoming, (rank - 1) % n)]
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
             kv = incoming
-    whole = torch.cat(blocks, dim=3)  # every rank's K and V: no ring, no online softmax
+
+
+def relayed_then_sdpa_forward(q, k, v):  # the blocks go round the ring, but only to be stacked for one SDPA
+    import torch
+    import torch.nn.functional as F
+
+    whole = torch.cat(list(_ring_blocks(k, v)), dim=3)  # every rank's K and V: no ring, no online softmax
     return F.scaled_dot_product_attention(q, whole[0], whole[1])
 
 
 def averaged_ring_forward(q, k, v):
-    import torch
     import torch.distributed as dist
 
     from course_lib import context_parallel as cp
 
-    rank, n = dist.get_rank(), dist.get_world_size()
-    total, kv = 0, torch.stack([k, v])
-    for step in range(n):
-        total = total + cp.block_attention(q, kv[0], kv[1])[0] / n  # averages instead of the online softmax
-        if step < n - 1:
-            incoming = torch.empty_like(kv)
-            ops = [dist.P2POp(dist.isend, kv, (rank + 1) % n), dist.P2POp(dist.irecv, incoming, (rank - 1) % n)]
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-            kv = incoming
-    return total
+    n = dist.get_world_size()  # averages the blocks' outputs instead of the online softmax
+    return sum(cp.block_attention(q, kv[0], kv[1])[0] / n for kv in _ring_blocks(k, v))
 
 
 def test_ring_forward_checker(capsys):
