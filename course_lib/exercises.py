@@ -88,11 +88,17 @@ def check(
 
     Returns True (correct), False (wrong: the message names the rank and the
     element) or None (not attempted yet). Never raises for a wrong answer.
+    `nproc` below 2 runs on 2 ranks (CPU processes where 2 do not fit on the GPUs).
     """
     from course_lib import launch
 
     say = (lambda *a: None) if quiet else print
     name = fn.__name__
+    # On one rank every collective is the identity, so any answer would pass: a checker runs on at least two.
+    if nproc < 2:
+        from course_lib.launch.backend import backend_for
+
+        nproc, backend = 2, backend_for(2, backend)
     if is_stub(fn):
         say(f"{name}: not attempted yet")
         return None
@@ -133,17 +139,35 @@ def check_prediction(
 
     `predicted` None (the learner has not answered yet) reports "not attempted yet". Within `rtol` of `actual`
     is correct; otherwise the message says how far off, and in which direction, but not the answer.
+    In a notebook the verdict carries `actual` in its output's metadata (never shown): the course's tests read it
+    to prove that nothing above the exercise printed the answer before the learner predicted it.
     """
     if predicted is None:
-        print(f"{name}: not attempted yet")
-        return None
-    if not isinstance(predicted, (int, float)) or isinstance(predicted, bool):
-        print(f"✗ {name}: give a number, got {type(predicted).__name__}")
-        return False
-    error = (predicted - actual) / abs(actual) if actual else float(predicted)
-    if abs(error) <= rtol:
-        print(f"✓ {name}: {predicted:g}{unit} is right (measured {actual:g}{unit})")
-        return True
-    direction = "high" if error > 0 else "low"
-    print(f"✗ {name}: {predicted:g}{unit} is {abs(error):.0%} too {direction}; check the formula and try again")
-    return False
+        verdict, result = f"{name}: not attempted yet", None
+    elif not isinstance(predicted, (int, float)) or isinstance(predicted, bool):
+        verdict, result = f"✗ {name}: give a number, got {type(predicted).__name__}", False
+    else:
+        error = (predicted - actual) / abs(actual) if actual else float(predicted)
+        if abs(error) <= rtol:
+            verdict, result = f"✓ {name}: {predicted:g}{unit} is right (measured {actual:g}{unit})", True
+        else:
+            direction = "high" if error > 0 else "low"
+            verdict = f"✗ {name}: {predicted:g}{unit} is {abs(error):.0%} too {direction}; check the formula and try again"
+            result = False
+    _show(verdict, metadata={PREDICTION_METADATA: {"name": name, "measured": float(actual)}})
+    return result
+
+
+PREDICTION_METADATA = "course_lib.prediction"
+
+
+def _show(text: str, metadata: dict) -> None:
+    """`text` as a plain-text display carrying `metadata` in a kernel; printed elsewhere."""
+    from IPython import get_ipython
+
+    if get_ipython() is None:
+        print(text)
+        return
+    from IPython.display import publish_display_data
+
+    publish_display_data({"text/plain": text}, metadata=metadata)

@@ -7,6 +7,7 @@ parameters and compares with the stored outputs. The papermill runs at other NPR
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -19,6 +20,7 @@ import torch
 from notebook_kit import write_notebook
 
 from course_lib import params
+from course_lib.exercises import PREDICTION_METADATA
 from course_lib.launch import probe, runner
 
 NOTEBOOKS = runner.find_notebooks([])
@@ -56,6 +58,7 @@ def test_notebook_runs_at_nproc_or_refuses_it_at_once(path, nproc, tmp_path, pro
     assert injected and f"NPROC = {nproc}" in injected[0], f"papermill did not inject NPROC = {nproc}"
     warnings = [t for t in outputs_text(executed) if "Warning" in t or "deprecated" in t]
     assert warnings == [], f"outputs carry warnings: {warnings[:3]}"
+    assert answers_shown_too_early(executed) == []
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
@@ -70,6 +73,113 @@ def test_stored_notebook_is_clean(path):
         assert "injected-parameters" not in cell.metadata.get("tags", [])
         assert all(o.get("output_type") != "error" for o in cell.get("outputs", []))
     assert not [t for t in outputs_text(nb) if "Warning" in t or "deprecated" in t]
+
+
+# ---- predict, then see: nothing above a prediction shows its answer -----------------------------
+
+
+def predictions(nb) -> list[tuple[int, str, float]]:
+    """(prompt cell, name, measured) of each check_prediction verdict: the prompt is the cell that sets the
+    learner's variable (``predicted_x = None``), the measured value comes from the verdict's output metadata."""
+    found = []
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            verdict = out.get("metadata", {}).get(PREDICTION_METADATA)
+            if not verdict:
+                continue
+            calls = [
+                node
+                for node in ast.walk(ast.parse(cell.source.replace("%", "#")))
+                if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "check_prediction"
+            ]
+            assert len(calls) == 1 and isinstance(calls[0].args[1], ast.Name), cell.source
+            variable = calls[0].args[1].id
+            prompts = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and sets_to_none(c.source, variable)]
+            assert len(prompts) == 1, f"{variable} = None should be set in one cell, found {prompts}"
+            found.append((prompts[0], verdict["name"], verdict["measured"]))
+    return found
+
+
+def sets_to_none(source: str, variable: str) -> bool:
+    return bool(re.search(rf"^{variable} = None\b", source, re.M))
+
+
+def renderings(value: float) -> set[str]:
+    """The ways a notebook might print `value`: digits with or without separators, rounded to 3-6 significant
+    digits, scaled to k/M/G (and Ki/Mi/Gi), as a percentage. Forms with fewer than 3 significant digits (2 for a
+    percentage) are left out: "3" or "0.1" are everywhere on a page and prove nothing."""
+    forms: set[str] = set()
+    scaled = [value] + [value / s for s in (1e3, 1e6, 1e9, 1e12, 2**10, 2**20, 2**30) if abs(value) / s >= 1]
+    for v in scaled:
+        if float(v).is_integer():
+            forms |= {f"{int(v)}", f"{int(v):,}"}
+        forms |= {f"{v:.{d}f}" for d in (1, 2, 3)} | {f"{v:.{g}g}" for g in (3, 4, 5, 6)}
+    forms = {f for f in forms if significant_digits(f) >= 3}
+    if 0 < abs(value) < 1:
+        forms |= {f"{100 * value:.{d}f}%" for d in (0, 1, 2) if significant_digits(f"{100 * value:.{d}f}") >= 2}
+    return forms
+
+
+def significant_digits(form: str) -> int:
+    digits = re.sub(r"e[+-]\d+$", "", form).replace(",", "").replace(".", "").lstrip("-0")
+    return sum(ch.isdigit() for ch in digits)
+
+
+def page_text(cell) -> str:
+    """What a reader sees of a cell: its source, and its outputs' text."""
+    texts = [cell.source]
+    for out in cell.get("outputs", []):
+        data = out.get("data", {})
+        texts += [
+            out.get("text", ""),
+            data.get("text/plain", ""),
+            data.get("text/markdown", ""),
+            data.get("text/html", ""),
+        ]
+    return "\n".join(t if isinstance(t, str) else "".join(t) for t in texts)
+
+
+def answers_shown_too_early(nb, *, require_distinct: bool = False) -> list[str]:
+    """Each prediction whose measured value appears, in any rendering, in a cell up to its prompt."""
+    problems = []
+    for prompt, name, measured in predictions(nb):
+        forms = renderings(measured)
+        if require_distinct and not forms:
+            problems.append(f"{name}: the answer {measured:g} is too short to tell apart from other numbers")
+        above = "\n".join(page_text(cell) for cell in nb.cells[: prompt + 1])
+        for form in sorted(forms):
+            match = re.search(rf"(?<![\d.,])(?<!\d[.,]){re.escape(form)}(?!\d|[.,]\d)", above)
+            if match:
+                context = above[max(0, match.start() - 60) : match.end() + 20].replace("\n", " ")
+                problems.append(
+                    f"{name}: its answer {measured:g} shows above the prompt (cell {prompt}) as {context!r}"
+                )
+                break
+    return problems
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_predictions_come_before_their_answers(path):
+    """Every predict exercise is asked before anything on the page shows its answer (the stored run)."""
+    nb = nbformat.read(path, as_version=4)
+    assert predictions(nb), "no check_prediction verdict with its measured value: refresh with `make outputs`"
+    assert answers_shown_too_early(nb, require_distinct=True) == []
+
+
+def test_a_prediction_shown_too_early_is_caught():
+    verdict = {"metadata": {PREDICTION_METADATA: {"name": "bytes", "measured": 226176.0}}}
+    measure = nbformat.v4.new_code_cell("measure()", outputs=[nbformat.v4.new_output("stream", text="DP 226.2 kB\n")])
+    prompt = nbformat.v4.new_code_cell("predicted_bytes = None")
+    check_cell = nbformat.v4.new_code_cell(
+        'check_prediction("bytes", predicted_bytes, measured)',
+        outputs=[nbformat.v4.new_output("display_data", data={"text/plain": "bytes: not attempted yet"}, **verdict)],
+    )
+    early = nbformat.v4.new_notebook(cells=[measure, prompt, check_cell])
+    (problem,) = answers_shown_too_early(early)
+    assert problem.startswith("bytes: its answer 226176 shows above the prompt (cell 1) as 'measure() DP 226.2 kB")
+    late = nbformat.v4.new_notebook(cells=[prompt, measure, check_cell])
+    assert answers_shown_too_early(late) == []
+    assert renderings(3.0) == set() and "11%" in renderings(1 / 9) and "2.50" in renderings(2.5e9)
 
 
 def test_runner_reports_failing_cell_and_rank(tmp_path, capsys):
