@@ -106,8 +106,10 @@ def sets_to_none(source: str, variable: str) -> bool:
 
 def renderings(value: float) -> set[str]:
     """The ways a notebook might print `value`: digits with or without separators, rounded to 3-6 significant
-    digits, scaled to k/M/G (and Ki/Mi/Gi), as a percentage. Forms with fewer than 3 significant digits (2 for a
-    percentage) are left out: "3" or "0.1" are everywhere on a page and prove nothing."""
+    digits, scaled to k/M/G (and Ki/Mi/Gi), as a percentage. None for a value of one significant digit, and no
+    form of fewer than 3 digits (2 for a percentage): "3" or "0.1" are everywhere on a page and prove nothing."""
+    if significant_digits(f"{value:.15g}".rstrip("0")) < 2:
+        return set()
     forms: set[str] = set()
     scaled = [value] + [value / s for s in (1e3, 1e6, 1e9, 1e12, 2**10, 2**20, 2**30) if abs(value) / s >= 1]
     for v in scaled:
@@ -121,7 +123,8 @@ def renderings(value: float) -> set[str]:
 
 
 def significant_digits(form: str) -> int:
-    digits = re.sub(r"e[+-]\d+$", "", form).replace(",", "").replace(".", "").lstrip("-0")
+    """Digits from the first non-zero one ("0.111": 3, "2.50": 3, "3": 1)."""
+    digits = re.sub(r"e[+-]\d+$", "", form).replace(",", "").replace(".", "").replace("-", "").lstrip("0")
     return sum(ch.isdigit() for ch in digits)
 
 
