@@ -16,9 +16,11 @@ not attempted, without running anything.
 from __future__ import annotations
 
 import ast
+import contextlib
 import inspect
+import sys
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -56,6 +58,31 @@ def expect_equal(what: str, got: Any, expected: Any, *, atol: float = 1e-6, rtol
         ok = got == expected
     if not ok:
         raise ExerciseFailed(f"{what}: expected {expected!r}, got {got!r}")
+
+
+@contextlib.contextmanager
+def refusing(*functions: Callable, why: str) -> Iterator[None]:
+    """While active, the course's own versions of an exercise cannot be called: each of `functions`, under every
+    name a course_lib module exports it by, raises ExerciseFailed(why). A checker wraps the learner's call in it."""
+
+    def refused(*args: Any, **kwargs: Any) -> None:
+        raise ExerciseFailed(why)
+
+    replaced = [
+        (module, name, function)
+        for function in functions
+        for module in list(sys.modules.values())
+        if getattr(module, "__name__", "").startswith("course_lib")
+        for name in (function.__name__,)
+        if getattr(module, name, None) is function
+    ]
+    for module, name, _ in replaced:
+        setattr(module, name, refused)
+    try:
+        yield
+    finally:
+        for module, name, function in replaced:
+            setattr(module, name, function)
 
 
 def is_stub(fn: Callable) -> bool:
@@ -152,7 +179,9 @@ def check_prediction(
             verdict, result = f"✓ {name}: {predicted:g}{unit} is right (measured {actual:g}{unit})", True
         else:
             direction = "high" if error > 0 else "low"
-            verdict = f"✗ {name}: {predicted:g}{unit} is {abs(error):.0%} too {direction}; check the formula and try again"
+            verdict = (
+                f"✗ {name}: {predicted:g}{unit} is {abs(error):.0%} too {direction}; check the formula and try again"
+            )
             result = False
     _show(verdict, metadata={PREDICTION_METADATA: {"name": name, "measured": float(actual)}})
     return result

@@ -17,8 +17,8 @@ from course_lib import checkpoint as ck
 from course_lib.exercises import check
 from course_lib.launch import launch
 from course_lib.models import MLP
+from tests.rank_programs import assert_checker, run
 from tests.rank_programs import checkpoint as rank_programs
-from tests.rank_programs import run
 
 QUIET = dict(write=lambda text, stream: None)
 
@@ -192,68 +192,140 @@ def test_kill_and_resume_is_bitwise_equal_to_uninterrupted(tmp_path, nproc):
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step_12", "step_4", "step_8"]
 
 
-def wrong_string_order(root):
-    import os
-
-    from course_lib import checkpoint
-
-    if not os.path.isdir(root):
-        return None
-    for name in sorted(os.listdir(root), reverse=True):  # "step_9" > "step_10" as strings
-        if name.startswith("step_") and not name.endswith(".tmp"):
-            try:
-                checkpoint.verify(os.path.join(root, name))
-                return os.path.join(root, name)
-            except checkpoint.CheckpointError:
-                pass
-    return None
-
-
-def wrong_no_verification(root):
-    import os
-
-    if not os.path.isdir(root):
-        return None
-    steps = [int(n.split("_")[1]) for n in os.listdir(root) if n.startswith("step_") and not n.endswith(".tmp")]
-    return os.path.join(root, f"step_{max(steps)}") if steps else None
-
-
-def wrong_crashes_on_missing_root(root):
-    import os
-
-    from course_lib import checkpoint
-
-    names = [n for n in os.listdir(root) if n.startswith("step_") and n[5:].isdigit()]  # os.listdir raises if absent
-    for step in sorted((int(n[5:]) for n in names), reverse=True):
-        try:
-            return checkpoint.verify(os.path.join(root, f"step_{step}")) and os.path.join(root, f"step_{step}")
-        except checkpoint.CheckpointError:
-            pass
-    return None
-
-
 SOLUTIONS = runpy.run_path(str(Path(__file__).resolve().parents[1] / "notebooks" / "solutions" / "06_checkpointing.py"))
-find_latest_complete = SOLUTIONS["find_latest_complete"]
 
 
-def test_exercise_checker_in_process():
-    ck.check_find_latest_complete(find_latest_complete)
-    for wrong, message in (
-        (wrong_string_order, "step_10 is newer than step_9: expected 'step_10', got 'step_9'"),
-        (wrong_no_verification, "the newest is truncated, newer ones are partial: expected 'step_9', got 'step_12'"),
-        (wrong_crashes_on_missing_root, "the directory does not exist yet: raised FileNotFoundError"),
-    ):
-        with pytest.raises(AssertionError, match=message):
-            ck.check_find_latest_complete(wrong)
+# ---- exercise 2: verify a checkpoint together, each rank its share ---------------------------------------------
+# Wrong answers, each a shortcut or a slip (they run on the ranks, in this module run afresh there).
 
 
-def test_exercise_check_on_ranks(capsys):
-    assert check(find_latest_complete, ck.check_find_latest_complete, nproc=2, backend="gloo") is True
-    assert check(wrong_string_order, ck.check_find_latest_complete, nproc=2, backend="gloo") is False
+def _share_is_intact(directory, names):
+    """Size and SHA-256 of each listed file in `names` (a helper of the wrong answers below)."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    directory = Path(directory)
+    try:
+        files = json.loads((directory / "metadata.json").read_text())["files"]
+    except (OSError, ValueError, KeyError):
+        return False
+    for name in names(sorted(files)):
+        path = directory / name
+        if name not in files or not path.is_file() or path.stat().st_size != files[name]["bytes"]:
+            return False
+        if hashlib.sha256(path.read_bytes()).hexdigest() != files[name]["sha256"]:
+            return False
+    return True
+
+
+def verify_with_the_library(directory):  # the shortcut: correct, but every rank reads the whole checkpoint
+    from course_lib import checkpoint
+
+    try:
+        checkpoint.verify(directory)
+        return True
+    except checkpoint.CheckpointError:
+        return False
+
+
+def every_rank_hashes_everything(directory):  # agrees, but reads N times what it needs
+    import torch.distributed as dist
+
+    ok = not str(directory).endswith(".tmp") and _share_is_intact(directory, lambda names: names)
+    verdicts = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, ok)
+    return all(verdicts)
+
+
+def rank0_hashes_everything(directory):  # one reader: rank 0 reads the whole checkpoint, the others wait
+    import torch.distributed as dist
+
+    ok = [None]
+    if dist.get_rank() == 0:
+        ok = [not str(directory).endswith(".tmp") and _share_is_intact(directory, lambda names: names)]
+    dist.broadcast_object_list(ok)
+    return ok[0]
+
+
+def own_shard_only(directory):  # each rank checks shard_<rank>.bin: saved by more ranks, files go unchecked
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    ok = not str(directory).endswith(".tmp") and _share_is_intact(directory, lambda names: [f"shard_{rank}.bin"])
+    verdicts = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, ok)
+    return all(verdicts)
+
+
+def sizes_only(directory):  # no file opened: a byte changed in place keeps the size
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    directory = Path(directory)
+    try:
+        files = json.loads((directory / "metadata.json").read_text())["files"]
+    except OSError:
+        files = None
+    ok = files is not None and not directory.name.endswith(".tmp")
+    ok = ok and all(
+        (directory / n).is_file() and (directory / n).stat().st_size == f["bytes"] for n, f in files.items()
+    )
+    verdicts = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, ok)
+    return all(verdicts)
+
+
+def no_agreement(directory):  # its share, right, but alone: the ranks answer differently
+    import torch.distributed as dist
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    return not str(directory).endswith(".tmp") and _share_is_intact(directory, lambda names: names[rank::world_size])
+
+
+def ignores_the_tmp_name(directory):  # every file intact, but the save was never committed
+    import torch.distributed as dist
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    ok = _share_is_intact(directory, lambda names: names[rank::world_size])
+    verdicts = [None] * world_size
+    dist.all_gather_object(verdicts, ok)
+    return all(verdicts)
+
+
+def verify_together_stub(directory):
+    raise NotImplementedError  # your code here
+
+
+VERIFY_TOGETHER_WRONG = {
+    verify_with_the_library: "your function calls checkpoint.verify (recorded), which opens and hashes every file",
+    every_rank_hashes_everything: re.compile(r"complete checkpoint' \(step_\d+\): rank 0 opened (\d+) of the \1 files"),
+    rank0_hashes_everything: re.compile(r"rank 0 opened (\d+) of the \1 files \([\d,]+ of [\d,]+ B\): each rank"),
+    own_shard_only: re.compile(r"no rank opened (shard_\d+\.bin, )*objects\.pt.*: damage there would go unnoticed"),
+    sizes_only: "no rank opened any of the",
+    no_agreement: re.compile(r"has one byte changed .*: rank \d returned True \(it made no collective call\), rank \d"),
+    ignores_the_tmp_name: re.compile(
+        r"step_\d+\.tmp: an uncommitted save .*every rank returned True, but the checkpoint"
+    ),
+}
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_verify_together_checker_rejects_each_shortcut(nproc):
+    assert_checker(ck.check_verify_together, SOLUTIONS["verify_together"], VERIFY_TOGETHER_WRONG, nproc=nproc)
+
+
+def test_verify_together_check_on_ranks(capsys):
+    assert check(verify_together_stub, ck.check_verify_together, nproc=2, backend="gloo") is None
+    assert "verify_together_stub: not attempted yet" in capsys.readouterr().out
+    assert check(SOLUTIONS["verify_together"], ck.check_verify_together, nproc=2, backend="gloo") is True
+    assert check(verify_with_the_library, ck.check_verify_together, nproc=2, backend="gloo") is False
     out = capsys.readouterr().out
-    assert "✓ find_latest_complete: correct on 2 ranks" in out
+    assert "✓ verify_together: correct on 2 ranks" in out
     assert re.search(
-        r"✗ wrong_string_order: rank [01]: step_10 is newer than step_9: expected 'step_10', got 'step_9'", out
+        r"✗ verify_with_the_library: rank 0: case 'a complete checkpoint' \(step_\d+\): your function", out
     )
 
 

@@ -17,7 +17,7 @@ from tests.rank_programs import assert_checker
 SOLUTIONS = runpy.run_path(str(Path(__file__).parents[1] / "notebooks/solutions/11_composing_parallelism.py"))
 
 
-def test_rank_grid_matches_coordinates_and_keeps_tp_innermost():
+def test_rank_grid_is_the_meshs_layout_and_keeps_tp_innermost():
     grid = compose.rank_grid(8, pp=2, dp=2, tp=2)
     assert grid["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert grid["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
@@ -26,9 +26,10 @@ def test_rank_grid_matches_coordinates_and_keeps_tp_innermost():
         grid = compose.rank_grid(world, *shape)
         for name, groups in grid.items():
             assert sorted(r for g in groups for r in g) == list(range(world))  # a partition of the world
-            for g in groups:  # members differ only in their own coordinate
-                coords = [compose.coordinates(r, *shape) for r in g]
-                assert len({tuple(c[k] for k in compose.DIMS if k != name) for c in coords}) == 1
+            for g in groups:  # members differ only in their own coordinate (the solution's arithmetic)
+                coords = [SOLUTIONS["my_coordinates"](r, *shape) for r in g]
+                others = [i for i, dim in enumerate(compose.DIMS) if dim != name]
+                assert len({tuple(c[i] for i in others) for c in coords}) == 1
 
 
 def test_rank_grid_refuses_a_shape_that_is_not_the_world():
@@ -192,22 +193,35 @@ def test_micro_batches_checker_accepts_the_fix_and_catches_the_desync(capsys):
         assert message in capsys.readouterr().out, fn.__name__
 
 
-def test_coordinates_exercise_checker_accepts_the_solution_and_names_wrong_ranks(capsys):
-    def my_coordinates(rank, pp, dp, tp):  # dp and tp swapped: right only when they are equal
-        return rank // (dp * tp), rank % dp, rank // dp % tp
+def dp_tp_swapped(rank, pp, dp, tp):  # right only where dp and tp are equal
+    return rank // (dp * tp), rank % dp, rank // dp % tp
 
-    # 4 ranks: a full 2 x 2 grid; 5 (prime): the (1, 2, 2) mesh on the first 4 ranks still catches the swap.
-    for nproc in (5, 4):
-        assert check(SOLUTIONS["my_coordinates"], compose.check_my_coordinates, nproc=nproc, backend="gloo") is True
-        assert check(my_coordinates, compose.check_my_coordinates, nproc=nproc, backend="gloo") is False
-        said = capsys.readouterr().out.splitlines()[-1]
-        # whichever wrong rank reports first (1 or 2), its coordinate and both values are named correctly
-        found = re.search(r"rank (\d): my_coordinates\((\d), pp=1, dp=2, tp=2\)\[(\d)\]: expected (\d), got (\d)", said)
-        assert found, said
-        rank, same_rank, index, expected, got = map(int, found.groups())
-        assert rank == same_rank and rank in (1, 2), said
-        assert expected == SOLUTIONS["my_coordinates"](rank, 1, 2, 2)[index], said
-        assert got == my_coordinates(rank, 1, 2, 2)[index] != expected, said
+
+def own_rank_only(rank, pp, dp, tp):  # the shortcut: the calling rank's coordinates, as a mesh would give them
+    import torch.distributed as dist
+
+    me = dist.get_rank()
+    return me // (dp * tp), me // tp % dp, me % tp
+
+
+def communicates(rank, pp, dp, tp):  # right, but agrees with the other ranks first
+    import torch
+    import torch.distributed as dist
+
+    agreed = torch.zeros(1)
+    dist.all_reduce(agreed)
+    return rank // (dp * tp) + int(agreed), rank // tp % dp, rank % tp
+
+
+def test_coordinates_checker_accepts_the_solution_and_rejects_wrong_ones():
+    wrong = {
+        dp_tp_swapped: re.compile(r"my_coordinates\(\d+, pp=\d, dp=\d, tp=\d\)\[\d\]: expected \d, got \d"),
+        own_rank_only: "pp=2, dp=3, tp=4)",  # right on the meshes the world holds; the first larger one fails
+        communicates: "my_coordinates communicated (all_reduce)",
+    }
+    assert_checker(compose.check_my_coordinates, SOLUTIONS["my_coordinates"], wrong, nproc=4)
+    # 5 ranks (prime): the (1, 2, 2) mesh on the first 4 still tells dp from tp
+    assert_checker(compose.check_my_coordinates, SOLUTIONS["my_coordinates"], {dp_tp_swapped: "dp=2, tp=2"}, nproc=5)
 
 
 def test_shard_loss_makes_uneven_shares_average_to_the_global_mean():

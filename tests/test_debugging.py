@@ -126,9 +126,14 @@ def wrong_plain_sum(model):
 def wrong_max_only(model):
     import torch.distributed as dist
 
-    from course_lib.debugging import gradient_checksums
-
-    mine = gradient_checksums(model)
+    mine = torch.stack(  # position-weighted checksums, as the solution's
+        [
+            (p.grad.reshape(-1).double() * torch.arange(1, p.numel() + 1, dtype=torch.float64)).sum()
+            if p.grad is not None
+            else torch.zeros((), dtype=torch.float64)
+            for p in model.parameters()
+        ]
+    )
     high = mine.clone()
     dist.all_reduce(high, op=dist.ReduceOp.MAX)
     return bool(torch.equal(high, mine))  # the rank holding the maximum believes all is well
@@ -142,6 +147,13 @@ def wrong_whole_gradients(model):  # right verdicts, by sending every gradient v
     dist.all_reduce(high, op=dist.ReduceOp.MAX)
     dist.all_reduce(low, op=dist.ReduceOp.MIN)
     return bool(torch.equal(high, low))
+
+
+def wrong_library_checksums(model):  # the shortcut: the course's own checksum range, shown in section 7
+    from course_lib import debugging
+
+    _, high, low = debugging.checksum_range(model)
+    return bool((high == low).all())
 
 
 def gradients_in_sync(model):
@@ -181,6 +193,7 @@ def test_exercise_stub_is_not_attempted(capsys):
             "gradients identical on every rank: this rank's collectives carried 39,968 bytes for 19,984 bytes of "
             "gradients. Comparing whole gradients costs as much as the all-reduce being audited",
         ),
+        (wrong_library_checksums, "this calls the course's own checksums (section 7 shows them)"),
     ],
 )
 def test_exercise_wrong_answers_fail_naming_the_rank(wrong, expected, capsys):

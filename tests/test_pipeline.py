@@ -1,12 +1,14 @@
 """course_lib.pipeline: schedules on paper, from-scratch pipelines on real gloo ranks, torch's schedules, exercises."""
 
+import re
+
 import pytest
 import torch
 
 from course_lib import pipeline as pp
 from course_lib.exercises import check
+from tests.rank_programs import assert_checker, run
 from tests.rank_programs import pipeline as rank_programs
-from tests.rank_programs import run
 
 # ---- on paper (no processes) ----------------------------------------------------------
 
@@ -27,7 +29,7 @@ def test_activations_in_flight():
         for m in (1, 3, 8):
             for s in range(p):
                 assert pp.peak_in_flight(pp.gpipe_actions(s, p, m)) == {s: m}
-                assert pp.peak_in_flight(pp.one_f_one_b_actions(s, p, m)) == {s: min(p - s, m)}
+                assert pp.peak_in_flight(pp.schedule_actions("1F1B", p, m)[s]) == {s: min(p - s, m)}
 
 
 def test_action_lists_match_torch_schedules():
@@ -50,7 +52,7 @@ def test_action_lists_match_torch_schedules():
             for r in range(p):
                 assert torch_actions(gpipe[r]) == [tuple(a) for a in pp.gpipe_actions(r, p, m)]
                 if r < p - 1:  # torch 2.13's order for the last rank is off by one micro-batch (display only)
-                    assert torch_actions(one_f_one_b[r]) == [tuple(a) for a in pp.one_f_one_b_actions(r, p, m)]
+                    assert torch_actions(one_f_one_b[r]) == [tuple(a) for a in pp.schedule_actions("1F1B", p, m)[r]]
             if m % p == 0:
                 rounds = m // p
                 state = SimpleNamespace(
@@ -70,7 +72,7 @@ def test_simulate_reports_deadlock_with_the_waiting_ranks():
     actions = {
         0: [pp.Action("F", 0, 0), pp.Action("B", 0, 0), pp.Action("F", 1, 0), pp.Action("B", 1, 0)],
         1: [pp.Action("F", 0, 1), pp.Action("F", 1, 1), pp.Action("B", 0, 1), pp.Action("B", 1, 1)],
-        2: pp.one_f_one_b_actions(2, 3, 2),
+        2: pp.schedule_actions("1F1B", 3, 2)[2],
     }
     with pytest.raises(pp.Deadlock) as caught:
         pp.simulate(actions, 3)
@@ -165,40 +167,92 @@ def test_the_schedule_ranks_ran_has_the_formulas_bubble(four_rank_run):
         assert pp.bubble_fraction(events, 2) >= pp.ideal_bubble(2, m) - 0.05, (m, pp.bubble_fraction(events, 2))
 
 
-# ---- the exercise --------------------------------------------------------------------------
+# ---- exercise 2: 1F1B's action list, judged by its properties ------------------------------------------
+# Wrong answers, each a shortcut or a slip; their messages say why without giving the order.
 
 
-@pytest.fixture(scope="module")
-def checker_outcomes():
-    return run(rank_programs.checker_outcomes, 3, timeout=120)
+def one_f_one_b_library(stage, n_stages, n_microbatches):  # the shortcut: the course's own 1F1B
+    from course_lib import pipeline as pp
+
+    return [(a.kind, a.microbatch) for a in pp.schedule_actions("1F1B", n_stages, n_microbatches)[stage]]
 
 
-def test_checker_accepts_the_reference(checker_outcomes):
-    assert all(o["reference"] is None for o in checker_outcomes)
+def one_f_one_b_private(stage, n_stages, n_microbatches):  # the same, reached past the public names
+    from course_lib.pipeline import schedules
+
+    return [(a.kind, a.microbatch) for a in schedules._one_f_one_b_actions(stage, n_stages, n_microbatches)]
 
 
-@pytest.mark.parametrize(
-    "name, rank, words",
-    [
-        ("gpipe_order", 2, "action 1 should be B0"),
-        ("warmup_reversed", 0, "deadlock"),
-        ("forgets_last_backward", 0, "missing B"),
-        ("backward_first", 2, "B0 comes before F0"),
-        ("strings", 0, "is not a"),
-    ],
-)
-def test_checker_rejects_wrong_answers_on_the_right_rank(checker_outcomes, name, rank, words):
-    messages = {r: o[name] for r, o in enumerate(checker_outcomes) if o[name] is not None}
-    assert list(messages) == [rank], messages  # exactly the rank of the first faulty stage complains
-    assert words in messages[rank], messages[rank]
+def torch_order(stage, n_stages, n_microbatches):  # torch's 1F1B order, read out of its schedule class
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import Schedule1F1B
+
+    order = Schedule1F1B._get_pipeline_order(SimpleNamespace(_num_stages=n_stages, _n_microbatches=n_microbatches))
+    kinds = [(a.computation_type.value, a.microbatch_index) for a in order[stage] if a is not None]
+    return [(kind, i) for kind, i in kinds if kind in ("F", "B")]
+
+
+def gpipe_order(stage, n_stages, n_microbatches):  # runs, same bubble, but holds all m activations
+    return [("F", i) for i in range(n_microbatches)] + [("B", i) for i in range(n_microbatches)]
+
+
+def one_at_a_time(stage, n_stages, n_microbatches):  # holds one activation, but the pipeline never fills
+    return [(kind, i) for i in range(n_microbatches) for kind in "FB"]
+
+
+def warmup_one_too_many(stage, n_stages, n_microbatches):  # p - s warm-up forwards: one activation too many
+    warmup = min(n_stages - stage, n_microbatches)
+    order = [("F", i) for i in range(warmup)]
+    for i in range(warmup, n_microbatches):
+        order += [("F", i), ("B", i - warmup)]
+    return order + [("B", i) for i in range(n_microbatches - warmup, n_microbatches)]
+
+
+def warmup_reversed(stage, n_stages, n_microbatches):  # stage s warms up like stage p-1-s: deadlock
+    return rank_programs.SOLUTIONS["one_f_one_b"](n_stages - 1 - stage, n_stages, n_microbatches)
+
+
+def copied_for_the_printed_m(stage, n_stages, n_microbatches):  # the order section 2 printed, for m = 2p only
+    return rank_programs.SOLUTIONS["one_f_one_b"](stage, n_stages, 2 * n_stages)
+
+
+def forgets_last_backward(stage, n_stages, n_microbatches):
+    return rank_programs.SOLUTIONS["one_f_one_b"](stage, n_stages, n_microbatches)[:-1]
+
+
+def backward_first(stage, n_stages, n_microbatches):
+    order = rank_programs.SOLUTIONS["one_f_one_b"](stage, n_stages, n_microbatches)
+    return [order[1], order[0], *order[2:]] if stage == n_stages - 1 and n_microbatches > 1 else order
+
+
+def strings(stage, n_stages, n_microbatches):
+    return [f"{k}{i}" for k, i in rank_programs.SOLUTIONS["one_f_one_b"](stage, n_stages, n_microbatches)]
+
+
+ONE_F_ONE_B_WRONG = {
+    one_f_one_b_library: "your function calls schedule_actions (recorded)",
+    one_f_one_b_private: "your function calls _one_f_one_b_actions (recorded)",
+    torch_order: "your function calls Schedule1F1B._get_pipeline_order (recorded)",
+    gpipe_order: re.compile(r"stage \d of \d, n_microbatches=2: holds 2 micro-batches' activations at once"),
+    one_at_a_time: re.compile(r"n_microbatches=2: the lists run and hold little, but .* a bubble of 0\.\d+ where"),
+    warmup_one_too_many: re.compile(r"stage \d of \d, n_microbatches=2: holds 2 micro-batches' activations"),
+    warmup_reversed: "deadlock",
+    copied_for_the_printed_m: "n_microbatches=1: stage 0: micro-batch 1 does not exist",
+    forgets_last_backward: "missing B",
+    backward_first: "B0 comes before F0",
+    strings: "is not a",
+}
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_one_f_one_b_checker_rejects_each_shortcut(nproc):
+    assert_checker(pp.check_one_f_one_b, rank_programs.SOLUTIONS["one_f_one_b"], ONE_F_ONE_B_WRONG, nproc=nproc)
 
 
 def test_check_reports_rank_and_not_attempted(capsys):
-    def one_f_one_b(stage, n_stages, n_microbatches):  # GPipe's order: a wrong answer
-        return [("F", i) for i in range(n_microbatches)] + [("B", i) for i in range(n_microbatches)]
-
-    assert check(one_f_one_b, pp.check_one_f_one_b, nproc=2, backend="gloo") is False
-    assert "rank 1: stage 1 of 2" in capsys.readouterr().out
+    assert check(gpipe_order, pp.check_one_f_one_b, nproc=2, backend="gloo") is False
+    assert "✗ gpipe_order: rank 1: stage 1 of 2, n_microbatches=2: holds 2" in capsys.readouterr().out
 
     def stub(stage, n_stages, n_microbatches):
         raise NotImplementedError
@@ -207,11 +261,24 @@ def test_check_reports_rank_and_not_attempted(capsys):
     assert "not attempted yet" in capsys.readouterr().out
 
 
+def test_one_f_one_b_is_neither_shown_nor_exported():
+    """The notebook reaches 1F1B only through schedule_actions (which the checker records): no public name, and
+    no cell above the exercise shows the generator's code."""
+    import json
+    from pathlib import Path
+
+    assert not any("one_f_one_b" in name and name != "check_one_f_one_b" for name in dir(pp))
+    cells = json.loads((Path(__file__).parents[1] / "notebooks" / "08_pipeline_parallel.ipynb").read_text())["cells"]
+    exercise = next(i for i, c in enumerate(cells) if "check(one_f_one_b," in "".join(c["source"]))
+    above = json.dumps(cells[:exercise])
+    assert "one_f_one_b_actions" not in above and "warmup = min(" not in above
+
+
 def test_reference_one_f_one_b_is_the_library_order():
     for p in (1, 2, 3, 4):
         for m in (1, 2, 5, 8):
             for s in range(p):
-                want = [(a.kind, a.microbatch) for a in pp.one_f_one_b_actions(s, p, m)]
+                want = [(a.kind, a.microbatch) for a in pp.schedule_actions("1F1B", p, m)[s]]
                 assert rank_programs.SOLUTIONS["one_f_one_b"](s, p, m) == want
 
 

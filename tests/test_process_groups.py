@@ -11,7 +11,7 @@ import pytest
 
 from course_lib import process_groups
 from course_lib.exercises import check, check_prediction
-from tests.rank_programs import assert_judged, judge, run
+from tests.rank_programs import assert_judged, judge, run, run_source
 from tests.rank_programs import process_groups as programs
 
 SOLUTIONS = str(Path(__file__).parents[1] / "notebooks" / "solutions" / "00_torchrun_and_process_groups.py")
@@ -168,13 +168,36 @@ def test_desynced_mean_loss_fails_in_seconds(capsys):
 
 @pytest.mark.parametrize("nproc", [1, 2, 3, 4, 8])
 def test_prediction(nproc, capsys):
-    measured = float(sum(r + 1 for r in range(nproc)))  # what all_reduce(SUM) of rank + 1 leaves on every rank
-    assert check_prediction("sum", solutions(nproc)["predicted_sum"], measured, rtol=0.01) is True
+    once = sum(100.0 + r for r in range(nproc))  # what one all_reduce(SUM) of 100 + rank leaves on every rank
+    measured = nproc * once  # the second all_reduce sums nproc copies of it
+    assert check_prediction("t", solutions(nproc)["predicted_sum"], measured, rtol=0.01) is True
     if nproc > 1:
-        wrong = {"N (the health check)": nproc, "ranks from 0": nproc * (nproc - 1) // 2, "N squared": nproc**2}
+        wrong = {
+            "one all_reduce (the second changes nothing)": once,
+            "each rank keeps its own value": 100.0,
+            "each rank's own value times N": 100.0 * nproc,
+            "the sum squared": once**2,
+            "ranks from 0 (r instead of 100 + r), twice": nproc * nproc * (nproc - 1) / 2,
+        }
         for reasoning, value in wrong.items():
-            assert check_prediction("sum", value, measured, rtol=0.01) is False, reasoning
+            assert check_prediction("t", value, measured, rtol=0.01) is False, reasoning
     capsys.readouterr()
+
+
+def two_all_reduces(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([100.0 + rank])  # the exercise's three lines
+    dist.all_reduce(t)
+    dist.all_reduce(t)
+    return {"t": t.item()}
+
+
+def test_prediction_is_what_the_ranks_hold():
+    """The exercise's lines on 3 gloo ranks leave the solution's number, 909, on every rank."""
+    held = [result["t"] for result in run_source(two_all_reduces, 3)]
+    assert held == [float(solutions(3)["predicted_sum"])] * 3 == [909.0] * 3, held
 
 
 def test_health_check_sees_every_rank():

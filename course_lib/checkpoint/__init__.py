@@ -13,11 +13,11 @@ Three ways to save an FSDP2-sharded training state, from the simplest to what la
     figures     the elastic run's loss curve (kernel-only)
     elastic     two torchrun agents join and leave one c10d rendezvous (run_elastic, kernel side);
                 elastic_train is the rank side: resume at any world size, pause for membership changes
-    checkers    the exercises: find the newest complete checkpoint; agree on it across ranks
+    checkers    the exercises: verify a checkpoint together (each rank its share); agree on the resume step
 """
 
 from course_lib.checkpoint.atomic import FORMAT, METADATA, CheckpointError
-from course_lib.checkpoint.checkers import check_agreed_resume_step, check_find_latest_complete
+from course_lib.checkpoint.checkers import check_agreed_resume_step, check_verify_together
 from course_lib.checkpoint.dcp import AppState, AsyncCheckpointer, dcp_load, dcp_save
 from course_lib.checkpoint.elastic import ElasticRun, Segment, agent_messages, run_elastic, segments
 from course_lib.checkpoint.elastic_train import train_elastic, wait_for_membership_change
@@ -51,7 +51,7 @@ __all__ = [
     "batch_for_step",
     "bytes_read_by_process",
     "check_agreed_resume_step",
-    "check_find_latest_complete",
+    "check_verify_together",
     "dcp_load",
     "dcp_save",
     "differing",

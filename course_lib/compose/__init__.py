@@ -11,7 +11,7 @@
 """
 
 from course_lib.compose.checkers import check_accumulate, check_micro_batches, check_my_coordinates
-from course_lib.compose.mesh import DIMS, build_mesh, coordinates, new_groups_by_hand, rank_grid
+from course_lib.compose.mesh import DIMS, build_mesh, new_groups_by_hand, rank_grid
 from course_lib.compose.parallelize import (
     apply_fsdp,
     apply_tp,
@@ -53,7 +53,6 @@ __all__ = [
     "check_micro_batches",
     "check_my_coordinates",
     "compare_traffic",
-    "coordinates",
     "course_model_shape",
     "format_plan",
     "fsdp_collectives",

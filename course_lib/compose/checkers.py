@@ -16,26 +16,48 @@ from course_lib.launch.runtime import rank_device
 
 
 def check_my_coordinates(fn: Callable[[int, int, int, int], object]) -> None:
-    """fn(rank, pp, dp, tp) -> (pp, dp, tp) coordinates must match the DeviceMesh's for every shape.
+    """fn(rank, pp, dp, tp) -> the (p, d, t) coordinates of `rank` in a (pp, dp, tp) mesh, for every rank.
 
-    Shapes (pp, dp, tp) with pp, dp in (1, 2, 4) and tp = world // (pp * dp); when the product is less
-    than the world (5 ranks: (1, 2, 2)), the mesh takes the first pp * dp * tp ranks and the others sit
-    it out, so a prime world size still tests shapes where dp and tp differ.
+    On the meshes that fit in the world (pp, dp in 1, 2, 4; the first pp * dp * tp ranks when the product is less
+    than the world, so a prime world size still has shapes where dp and tp differ) each rank's own answer must be
+    the DeviceMesh's `get_coordinate()`. Then, for every rank of larger meshes no laptop could launch, the answer
+    must be where that rank sits in the mesh's row-major rank array. Asking a mesh for its own coordinate, or
+    communicating at all, cannot answer for other ranks: the recorder refuses any collective.
     """
+    from course_lib import comms
+
     world = dist.get_world_size()
     me = dist.get_rank()
     shapes = [(pp, dp, world // (pp * dp)) for pp in (1, 2, 4) for dp in (1, 2, 4) if world >= pp * dp]
-    for pp, dp, tp in shapes:
-        size = pp * dp * tp
-        mesh = DeviceMesh(rank_device().type, torch.arange(size).view(pp, dp, tp), mesh_dim_names=DIMS)
+    # every mesh first (building one is a collective), so that a wrong answer cannot leave a rank behind
+    meshes = {
+        shape: DeviceMesh(
+            rank_device().type, torch.arange(shape[0] * shape[1] * shape[2]).view(shape), mesh_dim_names=DIMS
+        )
+        for shape in shapes
+    }
+    for shape, mesh in meshes.items():
         coordinate = mesh.get_coordinate()
-        if coordinate is None:  # this rank is not in the mesh
-            continue
-        expected = tuple(coordinate)
-        got = fn(me, pp, dp, tp)
-        if not isinstance(got, tuple):
-            raise ExerciseFailed(f"my_coordinates must return a tuple (pp, dp, tp), got {type(got).__name__}")
-        expect_equal(f"my_coordinates({me}, pp={pp}, dp={dp}, tp={tp})", got, expected)
+        if coordinate is not None:  # None: this rank is not in the mesh
+            _expect_coordinates(fn, me, shape, tuple(coordinate))
+    with comms.Recorder() as recorder:
+        for shape in ((2, 3, 4), (4, 8, 2), (3, 1, 5), (1, 16, 8)):
+            grid = torch.arange(shape[0] * shape[1] * shape[2]).view(shape)
+            for rank in range(grid.numel()):
+                _expect_coordinates(fn, rank, shape, tuple(int(i) for i in (grid == rank).nonzero()[0]))
+    if recorder.calls:
+        raise ExerciseFailed(
+            f"my_coordinates communicated ({recorder.calls[0].op}): a rank's coordinates follow from the layout "
+            "alone, and must be known for any rank, not only this one"
+        )
+
+
+def _expect_coordinates(fn: Callable, rank: int, shape: tuple[int, int, int], expected: tuple) -> None:
+    pp, dp, tp = shape
+    got = fn(rank, pp, dp, tp)
+    if not isinstance(got, tuple):
+        raise ExerciseFailed(f"my_coordinates must return a tuple (pp, dp, tp), got {type(got).__name__}")
+    expect_equal(f"my_coordinates({rank}, pp={pp}, dp={dp}, tp={tp})", got, expected)
 
 
 def check_accumulate(fn: Callable) -> None:

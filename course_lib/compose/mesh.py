@@ -2,31 +2,26 @@
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 DIMS = ("pp", "dp", "tp")  # outermost to innermost: tp varies fastest, so a TP group sits inside one node
 
 
-def coordinates(rank: int, pp: int, dp: int, tp: int) -> dict[str, int]:
-    """Where `rank` sits in a (pp, dp, tp) grid laid out row-major: rank = (p * dp + d) * tp + t."""
-    return {"pp": rank // (dp * tp), "dp": rank // tp % dp, "tp": rank % tp}
-
-
 def rank_grid(world_size: int, pp: int, dp: int, tp: int) -> dict[str, list[list[int]]]:
-    """Every group of every dimension, by hand: the ranks that differ only in that coordinate."""
+    """Every group of every dimension, as DeviceMesh finds them: the ranks laid out row-major in a (pp, dp, tp)
+    array; a group of one dimension is a line of that array along it (the ranks that differ only there)."""
     if pp * dp * tp != world_size:
         raise ValueError(
             f"pp x dp x tp = {pp} x {dp} x {tp} = {pp * dp * tp}, but the world has {world_size} "
             f"ranks: choose sizes whose product is the world size"
         )
-    groups: dict[str, dict[tuple, list[int]]] = {name: {} for name in DIMS}
-    for rank in range(world_size):
-        c = coordinates(rank, pp, dp, tp)
-        for name in DIMS:
-            key = tuple(c[other] for other in DIMS if other != name)
-            groups[name].setdefault(key, []).append(rank)
-    return {name: sorted(by_key.values()) for name, by_key in groups.items()}
+    grid = torch.arange(world_size).view(pp, dp, tp)
+    return {
+        name: sorted(grid.movedim(axis, -1).reshape(-1, size).tolist())
+        for axis, (name, size) in enumerate(zip(DIMS, (pp, dp, tp)))
+    }
 
 
 def new_groups_by_hand(world_size: int, pp: int, dp: int, tp: int) -> dict[str, dist.ProcessGroup]:

@@ -1,4 +1,5 @@
-"""The exercises of notebook 08, checked on the ranks: 1F1B's action list, a pipeline step that must not deadlock.
+"""The exercises of notebook 08, checked on the ranks: a 1F1B action list judged by its properties, a pipeline step
+that must not deadlock.
 
 The solutions are in notebooks/solutions/08_pipeline_parallel.py, not here.
 """
@@ -6,6 +7,8 @@ The solutions are in notebooks/solutions/08_pipeline_parallel.py, not here.
 from __future__ import annotations
 
 import datetime
+import random
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -17,9 +20,16 @@ from torch import nn
 from course_lib.compare import grad_of
 from course_lib.exercises import ExerciseFailed
 from course_lib.pipeline.execution import execute
-from course_lib.pipeline.schedules import Action, one_f_one_b_actions, peak_in_flight
+from course_lib.pipeline.schedules import (
+    Action,
+    _one_f_one_b_actions,
+    ideal_bubble,
+    interleaved_actions,
+    peak_in_flight,
+    schedule_actions,
+)
 from course_lib.pipeline.stages import course_model, split_into_stages
-from course_lib.pipeline.timeline import Deadlock, simulate
+from course_lib.pipeline.timeline import Deadlock, bubble_fraction, simulate
 from course_lib.pipeline.train import loss_fn, reference_stage_gradients
 
 
@@ -40,46 +50,105 @@ def _short(actions: Sequence[Action]) -> str:
     return " ".join(f"{a.kind}{a.microbatch}" for a in actions)
 
 
-def check_one_f_one_b(fn: Callable[[int, int, int], Any]) -> None:
-    """fn(stage, n_stages, n_microbatches) -> 1F1B list of ("F"|"B", microbatch) for that stage.
+def _library_schedules() -> dict[str, Callable[..., Any]]:
+    """The schedule generators exercise 2 refuses to see called: the course's, and torch's 1F1B order."""
+    from torch.distributed.pipelining.schedules import Schedule1F1B
 
-    Every rank builds all stages' lists (pure functions), validates and
-    simulates them for several m, and compares them with the reference order;
-    all ranks reach the same verdict, and only the rank of the first faulty
-    stage raises. If all is right, the lists are run for real and the
-    gradients compared with single-process training.
+    return {
+        "schedule_actions": schedule_actions,
+        "_one_f_one_b_actions": _one_f_one_b_actions,
+        "interleaved_actions": interleaved_actions,
+        "Schedule1F1B._get_pipeline_order": Schedule1F1B._get_pipeline_order,
+    }
+
+
+@contextmanager
+def _calls_recorded(functions: dict[str, Callable[..., Any]]) -> Iterator[list[str]]:
+    """During the block, the names of `functions` that ran (however they were imported), in call order."""
+    codes = {function.__code__: name for name, function in functions.items()}
+    seen: list[str] = []
+    previous = sys.getprofile()
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code in codes:
+            seen.append(codes[frame.f_code])
+
+    sys.setprofile(profile)
+    try:
+        yield seen
+    finally:
+        sys.setprofile(previous)
+
+
+def check_one_f_one_b(fn: Callable[[int, int, int], Any]) -> None:
+    """fn(stage, n_stages, n_microbatches) -> a 1F1B list of ("F"|"B", microbatch) for that stage.
+
+    Judged by 1F1B's properties, not by one order: for secret numbers of micro-batches (drawn on rank 0
+    at every call) every stage's list must hold each F and B once, run together without deadlock
+    (simulated), keep at most min(p - s, m) micro-batches' activations on stage s, and have no more bubble
+    than (p-1)/(m+p-1) (t_b = 2 t_f). The calls fn makes into the course's schedule generators (and torch's
+    1F1B order) are recorded and refused. Every rank builds all lists (pure functions) and reaches the same
+    verdict; only the rank of the faulty stage raises. Then the lists run for real on the ranks with secret
+    data, against single-process gradients.
     """
     rank, p = dist.get_rank(), dist.get_world_size()
+    secret: list[Any] = [None, None]
+    if rank == 0:
+        draw = random.Random()
+        secret = [draw.randrange(2**31), draw.randrange(p + 1, 3 * p + 3)]
+    dist.broadcast_object_list(secret)
+    seed, m_large = secret
 
     def fail_on(stage: int, message: str) -> None:
         if rank == stage:
             raise ExerciseFailed(message)
 
-    for m in (1, 2, p, 2 * p + 1):
+    library = _library_schedules()
+    lists: dict[int, list[Action]] = {}
+    for m in dict.fromkeys((1, 2, p, m_large)):
         lists = {}
         for s in range(p):
+            with _calls_recorded(library) as called:
+                got = fn(s, p, m)
+            if called:
+                return fail_on(
+                    s,
+                    f"stage {s}: your function calls {called[0]} (recorded): that is a library's schedule, not "
+                    "yours. Build the list from section 2's rule: warm-up forwards, then one "
+                    "forward and one backward, then the drain",
+                )
             try:
-                lists[s] = _as_actions(fn(s, p, m), s)
+                lists[s] = _as_actions(got, s)
                 _validate_stage(lists[s], s, m)
             except (ExerciseFailed, ValueError) as error:
                 return fail_on(s, f"n_microbatches={m}: {error}")
         try:
-            simulate(lists, p)
+            events = simulate(lists, p, t_forward=1, t_backward=2)
         except Deadlock as error:
             return fail_on(min(error.waiting), f"n_microbatches={m}: the stages' lists {error}")
         for s in range(p):
-            expected = one_f_one_b_actions(s, p, m)
-            if lists[s] != expected:
-                k = next((i for i, (a, b) in enumerate(zip(lists[s], expected)) if a != b), len(expected))
+            held, bound = peak_in_flight(lists[s]).get(s, 0), min(p - s, m)
+            if held > bound:
                 return fail_on(
                     s,
-                    f"stage {s} of {p}, n_microbatches={m}: action {k} should be "
-                    f"{expected[k].kind}{expected[k].microbatch}; expected [{_short(expected)}], got "
-                    f"[{_short(lists[s])}] (holds {peak_in_flight(lists[s])[s]} activations at once, "
-                    f"1F1B holds {min(p - s, m)})",
+                    f"stage {s} of {p}, n_microbatches={m}: holds {held} micro-batches' activations at once "
+                    f"([{_short(lists[s])}]); 1F1B holds at most min(p - s, m) = {bound}: it runs a backward as "
+                    "soon as its gradient can be there, before the next forward",
                 )
-    # The lists are right: run them on the ranks and compare with single-process training.
-    _run_and_compare(lists[rank], p, len(lists[rank]) // 2)
+        bubble, ideal = bubble_fraction(events, p), ideal_bubble(p, m)
+        if bubble > ideal + 1e-9:
+            span = max(e.end for e in events)
+            idle = {r: span - sum(e.end - e.start for e in events if e.rank == r) for r in range(p)}
+            worst = max(idle, key=lambda r: (idle[r], -r))
+            return fail_on(
+                worst,
+                f"n_microbatches={m}: the lists run and hold little, but the step takes {span:g} time units "
+                f"(t_f = 1, t_b = 2): a bubble of {bubble:.3f} where 1F1B's is (p-1)/(m+p-1) = {ideal:.3f}. "
+                f"Stage {worst} sits idle {idle[worst]:g} units ([{_short(lists[worst])}]): it waits for a "
+                "gradient when it could run a forward",
+            )
+    # The lists have 1F1B's properties: run them on the ranks and compare with single-process training.
+    _run_and_compare(lists[rank], p, len(lists[rank]) // 2, seed)
 
 
 def _validate_stage(actions: Sequence[Action], stage: int, m: int) -> None:
@@ -97,13 +166,13 @@ def _validate_stage(actions: Sequence[Action], stage: int, m: int) -> None:
         raise ValueError(f"stage {stage}: missing {' '.join(missing)}")
 
 
-def _run_and_compare(actions: Sequence[Action], p: int, m: int) -> None:
+def _run_and_compare(actions: Sequence[Action], p: int, m: int, seed: int) -> None:
     rank = dist.get_rank()
-    model = course_model(n_units=max(p, 2))
-    torch.manual_seed(1)
+    model = course_model(n_units=max(p, 2), seed=seed)
+    torch.manual_seed(seed)
     x, y = torch.randn(4 * m, 64), torch.randn(4 * m, 8)
     _, expected = reference_stage_gradients(model, p, x, y)
-    mine = split_into_stages(course_model(n_units=max(p, 2)), p)[rank]
+    mine = split_into_stages(course_model(n_units=max(p, 2), seed=seed), p)[rank]
     execute(actions, {rank: mine}, p, list(x.chunk(m)), list(y.chunk(m)), loss_fn, (4, 64))
     for i, (param, want) in enumerate(zip(mine.parameters(), expected[rank])):
         if not torch.allclose(grad_of(param), want, atol=1e-6, rtol=1e-4):

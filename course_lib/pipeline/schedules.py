@@ -28,8 +28,11 @@ def gpipe_actions(stage: int, n_stages: int, n_microbatches: int) -> list[Action
     ]
 
 
-def one_f_one_b_actions(stage: int, n_stages: int, n_microbatches: int) -> list[Action]:
+def _one_f_one_b_actions(stage: int, n_stages: int, n_microbatches: int) -> list[Action]:
     """1F1B: a warm-up of forwards, then alternate one forward and one backward, then drain.
+
+    Private: writing this is notebook 08's exercise 2 (its checker refuses answers that call it, or
+    schedule_actions). The notebook reaches it only through schedule_actions("1F1B", ...).
 
     Stage s runs n_stages - 1 - s warm-up forwards: just enough that the first
     gradient arrives as its warm-up ends, so at most n_stages - s activations
@@ -74,7 +77,7 @@ def schedule_actions(name: str, n_ranks: int, n_microbatches: int, n_virtual: in
     if name == "GPipe":
         return {r: gpipe_actions(r, n_ranks, n_microbatches) for r in range(n_ranks)}
     if name == "1F1B":
-        return {r: one_f_one_b_actions(r, n_ranks, n_microbatches) for r in range(n_ranks)}
+        return {r: _one_f_one_b_actions(r, n_ranks, n_microbatches) for r in range(n_ranks)}
     if name == "interleaved 1F1B":
         return {r: interleaved_actions(r, n_ranks, n_virtual, n_microbatches) for r in range(n_ranks)}
     raise ValueError(f"unknown schedule {name!r}; choose from {SCHEDULES}")

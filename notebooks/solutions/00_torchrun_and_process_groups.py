@@ -2,8 +2,10 @@
 # Load them into the notebook with `%load solutions/00_torchrun_and_process_groups.py`.
 # Each function imports what it uses inside its body: `check` sends a function's source alone to the ranks.
 
-# Exercise 1 (predict): rank r contributes r + 1, so after all_reduce(SUM) every rank holds 1 + 2 + ... + N.
-predicted_sum = NPROC * (NPROC + 1) // 2  # noqa: F821 (NPROC is the notebook's parameter)
+# Exercise 1 (predict): all_reduce works in place. The first call leaves t = S on every rank, the sum of 100 + r
+# over the ranks, S = 100 N + N (N - 1) / 2; the second sums N copies of S: N * S (402 on 2 ranks).
+_n = NPROC  # noqa: F821 (NPROC is the notebook's parameter)
+predicted_sum = _n * (100 * _n + _n * (_n - 1) // 2)
 
 
 # Exercise 2 (implement): one all_reduce; it works in place, so reduce a copy and leave the argument alone.

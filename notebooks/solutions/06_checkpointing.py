@@ -12,27 +12,32 @@ def predicted_row_bytes(parameters: int, loading_ranks: int) -> float:
     return 12 * parameters / loading_ranks
 
 
-# Exercise 2 (implement): the newest complete checkpoint under root, or None.
-def find_latest_complete(root):
-    import re
+# Exercise 2 (implement): verify one checkpoint on all ranks together. `verify` opens and hashes every file;
+# on N ranks each can hash 1/N of them (any split every rank computes the same way: here every N-th name of the
+# sorted list), and one collective combines the verdicts, so that every rank returns the same answer. A
+# checkpoint is complete only if its name is committed, its metadata is readable, and every file it lists
+# exists with the recorded size and SHA-256.
+def verify_together(directory):
+    import hashlib
+    import json
     from pathlib import Path
 
-    from course_lib import checkpoint
+    import torch.distributed as dist
 
-    root = Path(root)
-    if not root.is_dir():
-        return None
-    steps = sorted(
-        ((int(m.group(1)), path) for path in root.iterdir() if (m := re.fullmatch(r"step_(\d+)", path.name))),
-        reverse=True,  # by number: step_10 after step_9
-    )
-    for _, path in steps:
-        try:
-            checkpoint.verify(path)
-            return path
-        except checkpoint.CheckpointError:
-            continue  # truncated or corrupt: fall back to the one before
-    return None
+    directory = Path(directory)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    ok, files = not directory.name.endswith(".tmp"), {}  # .tmp: the rename (the commit) never happened
+    try:
+        files = json.loads((directory / "metadata.json").read_text())["files"]
+    except (OSError, ValueError, KeyError):
+        ok = False  # no readable metadata: the save did not finish
+    for name in sorted(files)[rank::world_size]:  # this rank's share of the files
+        path, expected = directory / name, files[name]
+        ok = ok and path.is_file() and path.stat().st_size == expected["bytes"]
+        ok = ok and hashlib.sha256(path.read_bytes()).hexdigest() == expected["sha256"]
+    verdicts = [None] * world_size
+    dist.all_gather_object(verdicts, ok)  # one collective: every rank learns every share's verdict
+    return all(verdicts)
 
 
 # Exercise 3 (diagnose): every rank chose from its own view of the directory, so after a restart the ranks

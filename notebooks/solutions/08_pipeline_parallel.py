@@ -13,7 +13,11 @@ def predicted_interleaved_bubble(p: int, m: int, v: int = 2) -> float:
     return (p - 1) / (v * m + p - 1)
 
 
-# Exercise 2 (implement): 1F1B's action list for one stage.
+# Exercise 2 (implement): 1F1B's action list for one stage. Stage s runs p - 1 - s warm-up forwards: just enough
+# that the gradient of micro-batch 0 is back when its warm-up ends, so it never idles waiting for one (the bubble
+# stays (p-1)/(m+p-1)); then each forward is followed by the backward of the oldest micro-batch it holds, so it
+# never holds more than p - s (one warm-up forward more would hold p - s + 1; none, as in "F0 B0 F1 B1 ...",
+# holds one but leaves the pipeline empty most of the time).
 def one_f_one_b(stage, n_stages, n_microbatches):
     warmup = min(n_stages - 1 - stage, n_microbatches)
     actions = [("F", mb) for mb in range(warmup)]
