@@ -106,16 +106,17 @@ def sets_to_none(source: str, variable: str) -> bool:
 
 def renderings(value: float) -> set[str]:
     """The ways a notebook might print `value`: digits with or without separators, rounded to 3-6 significant
-    digits, scaled to k/M/G (and Ki/Mi/Gi), as a percentage. None for a value of one significant digit, and no
+    digits, scaled to k/M/G (and Ki/Mi/Gi, with decimals: "4096" KiB is any 4096), as a percentage. None for a value of one significant digit, and no
     form of fewer than 3 digits (2 for a percentage): "3" or "0.1" are everywhere on a page and prove nothing."""
     if significant_digits(f"{value:.15g}".rstrip("0")) < 2:
         return set()
     forms: set[str] = set()
-    scaled = [value] + [value / s for s in (1e3, 1e6, 1e9, 1e12, 2**10, 2**20, 2**30) if abs(value) / s >= 1]
-    for v in scaled:
+    for v in [value] + [value / s for s in (1e3, 1e6, 1e9, 1e12) if abs(value) / s >= 1]:
         if float(v).is_integer():
             forms |= {f"{int(v)}", f"{int(v):,}"}
         forms |= {f"{v:.{d}f}" for d in (1, 2, 3)} | {f"{v:.{g}g}" for g in (3, 4, 5, 6)}
+    for v in [value / s for s in (2**10, 2**20, 2**30) if abs(value) / s >= 1]:  # KiB, MiB, GiB: with decimals
+        forms |= {f"{v:.{d}f}" for d in (1, 2, 3)}
     forms = {f for f in forms if significant_digits(f) >= 3}
     if 0 < abs(value) < 1:
         forms |= {f"{100 * value:.{d}f}%" for d in (0, 1, 2) if significant_digits(f"{100 * value:.{d}f}") >= 2}
