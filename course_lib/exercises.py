@@ -62,12 +62,11 @@ def expect_equal(what: str, got: Any, expected: Any, *, atol: float = 1e-6, rtol
 
 @contextlib.contextmanager
 def refusing(*functions: Callable, why: str) -> Iterator[None]:
-    """While active, the course's own versions of an exercise cannot be called: each of `functions`, under every
-    name a course_lib module exports it by, raises ExerciseFailed(why). A checker wraps the learner's call in it."""
+    """While active, the course's own versions of an exercise cannot be used: each of `functions` (or classes),
+    under every name a course_lib module holds it by, raises ExerciseFailed(why) when called or reached into.
+    A checker wraps the learner's call in it."""
 
-    def refused(*args: Any, **kwargs: Any) -> None:
-        raise ExerciseFailed(why)
-
+    refused = _Refused(why)
     replaced = [
         (module, name, function)
         for function in functions
@@ -83,6 +82,19 @@ def refusing(*functions: Callable, why: str) -> Iterator[None]:
     finally:
         for module, name, function in replaced:
             setattr(module, name, function)
+
+
+class _Refused:
+    """Stands in for a refused function or class: calling it, or reaching for an attribute (`.apply`), fails."""
+
+    def __init__(self, why: str) -> None:
+        self._why = why
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        raise ExerciseFailed(self._why)
+
+    def __getattr__(self, name: str) -> Any:
+        raise ExerciseFailed(object.__getattribute__(self, "_why"))
 
 
 def is_stub(fn: Callable) -> bool:

@@ -106,8 +106,9 @@ def sets_to_none(source: str, variable: str) -> bool:
 
 def renderings(value: float) -> set[str]:
     """The ways a notebook might print `value`: digits with or without separators, rounded to 3-6 significant
-    digits, scaled to k/M/G (and Ki/Mi/Gi, with decimals: "4096" KiB is any 4096), as a percentage. None for a value of one significant digit, and no
-    form of fewer than 3 digits (2 for a percentage): "3" or "0.1" are everywhere on a page and prove nothing."""
+    digits, scaled to k/M/G (and Ki/Mi/Gi with decimals: "4096" KiB is any 4096), as a percentage. None for a value
+    of one significant digit, and no form of fewer than 3 digits (2 for a percentage): "3" or "0.1" are everywhere
+    on a page and prove nothing."""
     if significant_digits(f"{value:.15g}".rstrip("0")) < 2:
         return set()
     forms: set[str] = set()

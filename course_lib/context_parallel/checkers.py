@@ -15,7 +15,8 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from course_lib.exercises import ExerciseFailed, expect_equal
+from course_lib.context_parallel.ring_attention import Ring, RingAttention, ring_attention
+from course_lib.exercises import ExerciseFailed, expect_equal, refusing
 from course_lib.launch.runtime import rank_device
 from course_lib.process_groups import gather_reports, record_calls, run_bounded, side_group
 from course_lib.process_groups.calls import BLOCKING_P2P, COLLECTIVES, NONBLOCKING_P2P
@@ -28,6 +29,12 @@ def _secret(shape: tuple[int, ...]) -> torch.Tensor:
     """Numbers only this rank knows (seeded by the OS): the answer needs the other ranks' blocks."""
     gen = torch.Generator().manual_seed(random.SystemRandom().randrange(2**31))
     return torch.randn(shape, generator=gen)
+
+
+_WRITE_THE_RING = (
+    "this uses the course's own ring (section 3 shows it): write the ring yourself, from point-to-point sends, "
+    "block_attention and merge_partials"
+)
 
 
 def check_ring_forward(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
@@ -46,7 +53,11 @@ def check_ring_forward(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], 
         full_q, full_k, full_v = (torch.cat([mine[i] for mine in everyone], dim=2) for i in range(3))
         expected = F.scaled_dot_product_attention(full_q, full_k, full_v)[:, :, rank * chunk : (rank + 1) * chunk]
         device = rank_device()
-        with record_calls(forbidden=COLLECTIVES, advice=_RING_ONLY, bound_s=_TIMEOUT_S) as calls, _Longest() as seen:
+        with (
+            record_calls(forbidden=COLLECTIVES, advice=_RING_ONLY, bound_s=_TIMEOUT_S) as calls,
+            _Longest() as seen,
+            refusing(Ring, RingAttention, ring_attention, why=_WRITE_THE_RING),
+        ):
             got, error = run_bounded(fn, q.to(device), k.to(device), v.to(device), seconds=_TIMEOUT_S)
         reports = gather_reports((None if error is None else f"{type(error).__name__}: {error}", seen.longest), side)
         failed = [(r, e) for r, (e, _) in enumerate(reports) if e is not None]
