@@ -11,8 +11,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from course_lib.collectives import ring
 from course_lib.collectives.ring import chunk_sizes
-from course_lib.exercises import ExerciseFailed, expect_equal
+from course_lib.exercises import ExerciseFailed, expect_equal, refusing
 from course_lib.launch.runtime import rank_device
 from course_lib.process_groups.calls import (
     COLLECTIVES,
@@ -25,6 +26,14 @@ from course_lib.process_groups.calls import (
 )
 
 _POINT_TO_POINT_ONLY = "use dist.send/recv, isend/irecv or batch_isend_irecv"
+_COURSE_RING = (  # what section 4 shows after the exercises: the answer, not a way to it
+    ring.reduce_scatter_step_,
+    ring.all_gather_step_,
+    ring._ring_reduce_scatter_,
+    ring._ring_all_gather_,
+    ring.ring_all_reduce,
+)
+_WRITE_IT = "this calls the course's own ring (section 4 shows it): write the sends and receives yourself"
 _TIMEOUT_S = 8.0  # a deadlocked pass_right fails after this long
 
 
@@ -47,7 +56,7 @@ def check_reduce_scatter(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         total = data.clone()
         dist.all_reduce(total)
         expected = torch.tensor_split(total, n)[rank]
-        with record_calls(forbidden=COLLECTIVES, advice=_POINT_TO_POINT_ONLY):
+        with record_calls(forbidden=COLLECTIVES, advice=_POINT_TO_POINT_ONLY), refusing(*_COURSE_RING, why=_WRITE_IT):
             got = fn(data.clone())
         expect_equal(
             f"reduce_scatter of {numel} elements on {n} ranks (chunk {rank})",
@@ -64,7 +73,7 @@ def check_all_gather(fn: Callable[[torch.Tensor, list[int]], torch.Tensor]) -> N
         dist.broadcast(full, src=0)  # rank 0's draw on every rank: the expected answer, of which fn sees one chunk
         sizes = chunk_sizes(numel, n)
         chunk = torch.tensor_split(full, n)[rank].clone()
-        with record_calls(forbidden=COLLECTIVES, advice=_POINT_TO_POINT_ONLY):
+        with record_calls(forbidden=COLLECTIVES, advice=_POINT_TO_POINT_ONLY), refusing(*_COURSE_RING, why=_WRITE_IT):
             got = fn(chunk, sizes)
         expect_equal(
             f"all_gather of {numel} elements on {n} ranks (chunk sizes {sizes})",
