@@ -61,40 +61,41 @@ def expect_equal(what: str, got: Any, expected: Any, *, atol: float = 1e-6, rtol
 
 
 @contextlib.contextmanager
-def refusing(*functions: Callable, why: str) -> Iterator[None]:
-    """While active, the course's own versions of an exercise cannot be used: each of `functions` (or classes),
-    under every name a course_lib module holds it by, raises ExerciseFailed(why) when called or reached into.
-    A checker wraps the learner's call in it."""
+def calls_into(functions: dict[str, Callable | type]) -> Iterator[list[str]]:
+    """During the block, the names of `functions` that ran, in call order: a function by its code, a class by its
+    methods' code, so a call counts however the learner reached it (imported, aliased, bound before the check)."""
+    codes = {code: name for name, function in functions.items() for code in _codes(function)}
+    ran: list[str] = []
+    previous = sys.getprofile()
 
-    refused = _Refused(why)
-    replaced = [
-        (module, name, function)
-        for function in functions
-        for module in list(sys.modules.values())
-        if getattr(module, "__name__", "").startswith("course_lib")
-        for name in (function.__name__,)
-        if getattr(module, name, None) is function
-    ]
-    for module, name, _ in replaced:
-        setattr(module, name, refused)
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code in codes:
+            ran.append(codes[frame.f_code])
+
+    sys.setprofile(profile)
     try:
-        yield
+        yield ran
     finally:
-        for module, name, function in replaced:
-            setattr(module, name, function)
+        sys.setprofile(previous)
 
 
-class _Refused:
-    """Stands in for a refused function or class: calling it, or reaching for an attribute (`.apply`), fails."""
+@contextlib.contextmanager
+def refusing(*functions: Callable | type, why: str) -> Iterator[None]:
+    """The course's own version of an exercise may not run inside the block: if any of `functions` (or a method of
+    one of these classes) ran, ExerciseFailed(why) replaces whatever the block returned or raised."""
+    with calls_into({getattr(f, "__qualname__", repr(f)): f for f in functions}) as ran:
+        try:
+            yield
+        finally:
+            if ran:
+                raise ExerciseFailed(why)
 
-    def __init__(self, why: str) -> None:
-        self._why = why
 
-    def __call__(self, *args: Any, **kwargs: Any) -> None:
-        raise ExerciseFailed(self._why)
-
-    def __getattr__(self, name: str) -> Any:
-        raise ExerciseFailed(object.__getattribute__(self, "_why"))
+def _codes(function: Callable | type) -> list[Any]:
+    if isinstance(function, type):
+        members = [getattr(m, "__func__", getattr(m, "fget", m)) for m in vars(function).values()]
+        return [m.__code__ for m in members if hasattr(m, "__code__")]
+    return [function.__code__]
 
 
 def is_stub(fn: Callable) -> bool:

@@ -12,7 +12,6 @@ import io
 import json
 import os
 import random
-import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -22,29 +21,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from course_lib import comms
 from course_lib.checkpoint.atomic import FORMAT, METADATA, OBJECTS
 from course_lib.checkpoint.integrity import latest_complete, verify
 from course_lib.checkpoint.sharded import save_sharded
-from course_lib.exercises import ExerciseFailed
+from course_lib.exercises import ExerciseFailed, calls_into
 
 # ---- exercise 2: verify one checkpoint together, each rank reading only its share -------------------------------
-
-_COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_object",
-    "broadcast",
-    "broadcast_object_list",
-    "gather",
-    "gather_object",
-    "reduce",
-    "scatter",
-    "scatter_object_list",
-    "reduce_scatter",
-    "all_to_all",
-    "barrier",
-)
 
 
 class _Recorder:
@@ -59,9 +42,6 @@ class _Recorder:
     @contextmanager
     def watching(self) -> Iterator[_Recorder]:
         real_open = builtins.open
-        real_collectives = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
-        library = {verify.__code__: "checkpoint.verify", latest_complete.__code__: "checkpoint.latest_complete"}
-        previous_profile = sys.getprofile()
 
         def recording_open(file: Any, *args: Any, **kwargs: Any) -> Any:
             if isinstance(file, (str, os.PathLike)):
@@ -70,28 +50,15 @@ class _Recorder:
                     self.opened.add(str(path.relative_to(self.root)))
             return real_open(file, *args, **kwargs)
 
-        def counted(fn: Callable[..., Any]) -> Callable[..., Any]:
-            def call(*args: Any, **kwargs: Any) -> Any:
-                self.collectives += 1
-                return fn(*args, **kwargs)
-
-            return call
-
-        def profile(frame: Any, event: str, arg: Any) -> None:
-            if event == "call" and frame.f_code in library:
-                self.library.append(library[frame.f_code])
-
+        library = {"checkpoint.verify": verify, "checkpoint.latest_complete": latest_complete}
         builtins.open = io.open = recording_open  # type: ignore[assignment]  # Path.open calls io.open
-        for name, fn in real_collectives.items():
-            setattr(dist, name, counted(fn))
-        sys.setprofile(profile)
         try:
-            yield self
+            with comms.Recorder() as recorder, calls_into(library) as called:
+                yield self
         finally:
-            sys.setprofile(previous_profile)
             builtins.open = io.open = real_open
-            for name, fn in real_collectives.items():
-                setattr(dist, name, fn)
+        self.collectives = len(comms.outermost(recorder.calls))
+        self.library = called
 
 
 def _write_checkpoint(directory: Path, draw: random.Random, n_shards: int) -> dict[str, int]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime
 import random
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -18,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib.compare import grad_of
-from course_lib.exercises import ExerciseFailed
+from course_lib.exercises import ExerciseFailed, calls_into
 from course_lib.pipeline.execution import execute
 from course_lib.pipeline.schedules import (
     Action,
@@ -62,24 +61,6 @@ def _library_schedules() -> dict[str, Callable[..., Any]]:
     }
 
 
-@contextmanager
-def _calls_recorded(functions: dict[str, Callable[..., Any]]) -> Iterator[list[str]]:
-    """During the block, the names of `functions` that ran (however they were imported), in call order."""
-    codes = {function.__code__: name for name, function in functions.items()}
-    seen: list[str] = []
-    previous = sys.getprofile()
-
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code in codes:
-            seen.append(codes[frame.f_code])
-
-    sys.setprofile(profile)
-    try:
-        yield seen
-    finally:
-        sys.setprofile(previous)
-
-
 def check_one_f_one_b(fn: Callable[[int, int, int], Any]) -> None:
     """fn(stage, n_stages, n_microbatches) -> a 1F1B list of ("F"|"B", microbatch) for that stage.
 
@@ -108,7 +89,7 @@ def check_one_f_one_b(fn: Callable[[int, int, int], Any]) -> None:
     for m in dict.fromkeys((1, 2, p, m_large)):
         lists = {}
         for s in range(p):
-            with _calls_recorded(library) as called:
+            with calls_into(library) as called:
                 got = fn(s, p, m)
             if called:
                 return fail_on(

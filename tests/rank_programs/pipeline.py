@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-import runpy
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
 
 from course_lib import pipeline as pp
-from course_lib.exercises import ExerciseFailed
-
-SOLUTIONS = runpy.run_path(str(Path(__file__).parents[2] / "notebooks" / "solutions" / "08_pipeline_parallel.py"))
 
 
 def equality(rank: int, world_size: int) -> dict:
@@ -71,48 +65,3 @@ def equality(rank: int, world_size: int) -> dict:
             dist.all_gather_object(both, record.events, group=pair)
             runs[m] = both[0] + both[1]
     return dict(report=report, naive=naive, runs=runs, side_group_error=side_group_error)
-
-
-# Answers to the exercise: the reference and wrong ones the checker must reject.
-
-
-def reference(stage: int, n_stages: int, n_microbatches: int) -> list:
-    return SOLUTIONS["one_f_one_b"](stage, n_stages, n_microbatches)
-
-
-def gpipe_order(stage: int, n_stages: int, n_microbatches: int) -> list:
-    return [(a.kind, a.microbatch) for a in pp.gpipe_actions(stage, n_stages, n_microbatches)]
-
-
-def warmup_reversed(stage: int, n_stages: int, n_microbatches: int) -> list:
-    """Deadlocks: stage 0 waits for a gradient too early."""
-    return [(a.kind, a.microbatch) for a in pp.one_f_one_b_actions(n_stages - 1 - stage, n_stages, n_microbatches)]
-
-
-def forgets_last_backward(stage: int, n_stages: int, n_microbatches: int) -> list:
-    return reference(stage, n_stages, n_microbatches)[:-1]
-
-
-def backward_first(stage: int, n_stages: int, n_microbatches: int) -> list:
-    order = reference(stage, n_stages, n_microbatches)
-    return [order[1], order[0], *order[2:]] if stage == n_stages - 1 and n_microbatches > 1 else order
-
-
-def strings(stage: int, n_stages: int, n_microbatches: int) -> list:
-    return [f"{k}{i}" for k, i in reference(stage, n_stages, n_microbatches)]
-
-
-ANSWERS = (reference, gpipe_order, warmup_reversed, forgets_last_backward, backward_first, strings)
-
-
-def checker_outcomes(rank: int, world_size: int) -> dict:
-    """The checker's verdict on every answer on this rank: None (accepted) or its message."""
-    outcome: dict = {}
-    for fn in ANSWERS:
-        try:
-            pp.check_one_f_one_b(fn)
-            outcome[fn.__name__] = None
-        except ExerciseFailed as error:
-            outcome[fn.__name__] = str(error)
-        dist.barrier()
-    return outcome

@@ -18,6 +18,10 @@ SOLUTIONS = Path(__file__).resolve().parents[2] / "notebooks" / "solutions" / "0
 # Answers to the found-inf exercise that the checker must reject, each for its own reason.
 
 
+def calls_the_course_version(grads):
+    return precision.found_inf_across_ranks(grads)
+
+
 def local_only(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.tensor(float(any(not torch.isfinite(g).all() for g in grads)))
 
@@ -35,7 +39,8 @@ def misses_nan(grads: list[torch.Tensor]) -> torch.Tensor:
 
 
 def cleans_gradients(grads: list[torch.Tensor]) -> torch.Tensor:
-    found = precision.found_inf_across_ranks(grads)
+    found = torch.tensor(float(any(not torch.isfinite(g).all() for g in grads)))
+    dist.all_reduce(found, op=dist.ReduceOp.MAX)
     for g in grads:
         g.nan_to_num_(posinf=0.0, neginf=0.0)
     return found
@@ -63,7 +68,8 @@ def scalers_on_sharded_ranks(rank: int, world_size: int) -> dict:
     verdicts = {}
     for candidate in (
         runpy.run_path(str(SOLUTIONS))["found_inf"],
-        precision.found_inf_across_ranks,
+        precision.found_inf_across_ranks,  # correct: the function itself, handed to the checker
+        calls_the_course_version,  # the shortcut: the same function, called from the learner's code
         local_only,
         summed,
         misses_nan,
