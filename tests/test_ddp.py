@@ -68,6 +68,7 @@ def test_hooks_snapshot_and_exercise_checkers():
             "accumulate_syncs_every_micro_batch": "step 0: DDP all-reduced 2 times",
             "accumulate_no_sync_around_backward_only": "step 0: DDP all-reduced 2 times",
             "accumulate_sums_losses": "step 0: 0.weight after your step",
+            "hook_torchs_allreduce": "this calls a ready-made all-reduce hook",
         }
         for wrong, message in expected.items():
             assert verdicts[wrong].startswith(message), (rank, wrong, verdicts[wrong])

@@ -65,6 +65,12 @@ def wrong_reversed_order(grad_slice):
     return torch.cat(parts[::-1], dim=-1)
 
 
+def wrong_the_course_gather(grad_slice):  # the shortcut: the course's all-gather of slices, called
+    from course_lib.tensor_parallel import operators
+
+    return operators.gather_last_dim(grad_slice)
+
+
 def stub_split_backward(grad_slice):
     raise NotImplementedError
 
@@ -78,6 +84,7 @@ def test_exercise_checker(capsys):
         wrong_passthrough: "whole input's shape",
         wrong_pad_own_slice: "got 0 (36 of 72 elements wrong)",  # only its own features' gradient
         wrong_reversed_order: "is computed on rank",
+        wrong_the_course_gather: "this calls the course's own gather (gather_last_dim)",
     }
     assert_checker(checker, SOLUTIONS["split_backward"], wrong, nproc=2)
 

@@ -15,7 +15,7 @@ from torch import nn
 from course_lib.ddp.comm_hooks import CommHook, timed_allreduce_hook
 from course_lib.ddp.minimal_ddp import unwrap
 from course_lib.ddp.train import rank_loader
-from course_lib.exercises import ExerciseFailed, expect_equal
+from course_lib.exercises import ExerciseFailed, expect_equal, refusing
 from course_lib.launch.runtime import rank_device
 
 
@@ -65,14 +65,24 @@ def check_average_gradient(fn: Callable[[torch.Tensor], None]) -> None:
     _compare_with_torch_ddp(model)
 
 
+_WRITE_THE_HOOK = (
+    "this calls a ready-made all-reduce hook (torch's allreduce_hook or the course's): write the all-reduce"
+)
+
+
 def check_mean_allreduce_hook(fn: CommHook) -> None:
     """fn as torch DDP's communication hook must give the same gradients as DDP's built-in all-reduce."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from course_lib.models import MLP
 
+    def learners_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        with refusing(allreduce_hook, timed_allreduce_hook, why=_WRITE_THE_HOOK):  # in the thread that runs hooks
+            return fn(state, bucket)
+
     model = DDP(MLP(seed=0).to(rank_device()))
-    model.register_comm_hook(None, fn)
+    model.register_comm_hook(None, learners_hook)
     try:
         _compare_with_torch_ddp(model)
     finally:

@@ -107,6 +107,12 @@ def hook_sum_only(state, bucket):
     return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
+def hook_torchs_allreduce(state, bucket):  # the shortcut: torch's own default hook
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    return allreduce_hook(None, bucket)
+
+
 def hook_local_only(state, bucket):
     future: torch.futures.Future = torch.futures.Future()
     future.set_result(bucket.buffer())
@@ -192,7 +198,10 @@ def hooks_snapshot_and_exercises(rank: int, world_size: int, snapshot_path: str)
     solution = solutions()
     for checker, candidates in (
         (ddp.check_average_gradient, (solution["average_gradient"], sum_without_average, local_only)),
-        (ddp.check_mean_allreduce_hook, (solution["mean_allreduce_hook"], hook_sum_only, hook_local_only)),
+        (
+            ddp.check_mean_allreduce_hook,
+            (solution["mean_allreduce_hook"], hook_sum_only, hook_local_only, hook_torchs_allreduce),
+        ),
         (
             ddp.check_accumulate_step,
             (
