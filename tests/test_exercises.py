@@ -20,6 +20,20 @@ def test_stub_is_recognised():
     assert is_stub(stub) and not is_stub(attempted)
 
 
+def rank_sum_by_broadcast(value):  # right on one rank, where every rank's sum is its own value
+    import torch.distributed as dist
+
+    dist.broadcast(value, src=0)
+    return value
+
+
+def test_a_check_at_nproc_1_runs_on_2_ranks(capsys):
+    from course_lib import process_groups
+
+    assert check(rank_sum_by_broadcast, process_groups.check_rank_sum, nproc=1, backend="gloo") is False
+    assert "rank_sum(value) on 2 ranks" in capsys.readouterr().out
+
+
 def test_checker_must_be_importable_by_the_ranks():
     def local_checker(fn):
         fn()
