@@ -133,6 +133,59 @@ def test_ring_attention_equals_full_attention(n):
             assert len(trace) == 2 * n
 
 
+def ulysses_against_full_attention(rank, world_size):
+    import torch
+    import torch.nn.functional as F
+
+    from course_lib import comms
+    from course_lib import context_parallel as cp
+
+    errors, sent = [], {}
+    for causal in (True, False):
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(2, 12, 24, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+        full = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        full.pow(2).sum().backward()
+        c = 24 // world_size
+        mine = [t.detach()[:, :, rank * c : (rank + 1) * c].clone().requires_grad_() for t in (q, k, v)]
+        with comms.Recorder() as rec:
+            out = cp.ulysses_attention(*mine, causal=causal)
+            out.pow(2).sum().backward()
+        errors.append((out - full[:, :, rank * c : (rank + 1) * c]).abs().max().item())
+        for t, part in zip((q, k, v), mine):
+            errors.append((part.grad - t.grad[:, :, rank * c : (rank + 1) * c]).abs().max().item())
+        sent = {
+            phase: sum(call.nbytes for call in rec.calls if call.phase == phase) for phase in ("forward", "backward")
+        }
+        assert rec.counts() == {"all_to_all": 8}, rec.counts()
+    return {"errors": errors, "sent": sent}
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_ulysses_equals_full_attention_and_sends_its_formula(n):
+    for rank, result in enumerate(run_source(ulysses_against_full_attention, n)):
+        assert max(result["errors"]) < 1e-12, (n, rank, result["errors"])
+        assert result["sent"] == cp.ulysses_bytes(24, n, batch=2, heads=12, head_dim=8, element_size=8), result
+    ring_forward = cp.ring_bytes("contiguous", 24, n, 0, batch=2, heads=12, head_dim=8, element_size=8)["forward K/V"]
+    assert cp.ulysses_bytes(24, n, 2, 12, 8, 8)["forward"] * n == 2 * ring_forward  # Ulysses / ring = 2 / N
+
+
+def test_ulysses_refuses_heads_that_do_not_split():
+    def five_ranks_eight_heads(rank, world_size):
+        import torch
+
+        from course_lib import context_parallel as cp
+
+        try:
+            cp.ulysses_attention(*(torch.zeros(1, 8, 2, 4) for _ in range(3)))
+        except ValueError as error:
+            return {"said": str(error)}
+        return {"said": ""}
+
+    said = run_source(five_ranks_eight_heads, 5)[0]["said"]
+    assert said.startswith("Ulysses gives each of the 5 ranks whole heads, but 8 heads do not split 5 ways"), said
+
+
 def block_and_torch_layout(rank, world_size):
     import torch
     from torch.distributed.device_mesh import init_device_mesh

@@ -105,7 +105,8 @@ def fsdp_collectives(
 def step_time(r: dict[str, float]) -> float:
     """Seconds per step: compute stretched by the bubble, plus what communication cannot hide.
 
-    TP's all-reduces sit on the critical path (the next matmul needs their sum): exposed. FSDP's gathers
+    TP's all-reduces sit on the critical path (the next matmul needs their sum): counted exposed, the worst case
+    (async TP, on GPUs, overlaps part of them with chunks of the matmul). FSDP's gathers
     are prefetched one unit ahead and its reduce-scatters run during the backward of earlier units, and PP
     sends overlap other micro-batches' compute: hidden as long as compute lasts longer (its bubble stays).
     """

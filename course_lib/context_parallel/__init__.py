@@ -7,6 +7,7 @@ ring_attention  block attention, the online-softmax merge, RingAttention (forwar
 block           the course's TransformerBlock with ring attention, the gradient sum over the ranks
 cost            bytes per rank per layer, memory per rank, when the ring hides behind compute
 torch_cp        torch.distributed.tensor.experimental.context_parallel: its layout (CPU too), its attention (GPU)
+ulysses         Ulysses: an all-to-all from sequence- to head-sharded, local attention, and back; its bytes
 timing          one layer's forward + backward timed on a group
 figures         kernel-only pictures and the explorer
 checkers        the exercise's checker (solution: notebooks/solutions/09_context_and_expert_parallel.py)
@@ -44,6 +45,7 @@ from course_lib.context_parallel.ring_attention import (
 )
 from course_lib.context_parallel.timing import time_ring_step
 from course_lib.context_parallel.torch_cp import torch_positions, torch_ring_attention
+from course_lib.context_parallel.ulysses import heads_to_sequence, sequence_to_heads, ulysses_attention, ulysses_bytes
 
 __all__ = [
     "LAYOUTS",
@@ -63,6 +65,7 @@ __all__ = [
     "draw_layouts",
     "draw_ring_steps",
     "draw_step_times",
+    "heads_to_sequence",
     "merge_partials",
     "overlap_tokens",
     "positions",
@@ -71,12 +74,15 @@ __all__ = [
     "ring_bytes_even",
     "saved_bytes",
     "sent_by_kind",
+    "sequence_to_heads",
     "shard_sequence",
     "sum_gradients",
     "time_ring_step",
     "tokens_per_rank",
     "torch_positions",
     "torch_ring_attention",
+    "ulysses_attention",
+    "ulysses_bytes",
     "unshard_sequence",
     "visible_rectangle",
 ]

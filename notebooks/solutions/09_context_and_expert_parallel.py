@@ -5,7 +5,7 @@ Each function is self-contained (imports inside), because `check` sends its sour
 
 # Exercise 1 (predict): the bytes rank 0 sends in the forward of one attention layer, S = 48 tokens on N ranks
 # (N divides 48), batch 2, 4 heads of 8, float32. Each of the N - 1 ring steps sends one block: K and V (2) of
-# its S/N tokens, b·h·d numbers each, 4 bytes per number (section 5's formula 2·b·h·d·e·S·(N-1)/N).
+# its S/N tokens, b·h·d numbers each, 4 bytes per number (section 6's formula 2·b·h·d·e·S·(N-1)/N).
 # Forgetting V halves it; N steps instead of N - 1 is N/(N-1) too high.
 #     predicted_forward_bytes = 2 * (NPROC - 1) * (48 // NPROC) * 2 * 4 * 8 * 4
 
