@@ -8,7 +8,7 @@ import pytest
 from course_lib import tensor_parallel as tp
 from course_lib.exercises import check
 from course_lib.models import TransformerBlock
-from tests.rank_programs import assert_checker, judge, run
+from tests.rank_programs import assert_checker, judge, run, run_source
 from tests.rank_programs import tensor_parallel as rank_programs
 
 SOLUTIONS = runpy.run_path(str(Path(__file__).parent.parent / "notebooks" / "solutions" / "07_tensor_parallel.py"))
@@ -180,3 +180,30 @@ def test_checkers_build_layer_and_input_on_the_ranks_device(monkeypatch):
         with pytest.raises(Reached):
             checker(recorder(devices))
         assert devices == [META] * arguments, checker.__name__
+
+
+def chunked_against_plain(rank, world_size):
+    import torch
+
+    from course_lib import comms
+    from course_lib import tensor_parallel as tp
+
+    torch.manual_seed(rank)
+    x, weight = torch.randn(5, 16, dtype=torch.float64), torch.randn(7, 16, dtype=torch.float64)
+    with comms.Recorder() as chunked_calls:
+        chunked = tp.all_gather_matmul(x, weight)
+    with comms.Recorder() as plain_calls:
+        plain = tp.gather_then_matmul(x, weight)
+    return {
+        "equal": torch.equal(chunked, plain),
+        "counts": (chunked_calls.counts(), plain_calls.counts()),
+        "wire": (chunked_calls.wire_bytes(), plain_calls.sent_bytes()),
+    }
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_async_tp_chunks_give_the_gathered_product_and_move_the_gathers_bytes(n):
+    for result in run_source(chunked_against_plain, n):
+        assert result["equal"]  # same chunks, same matmuls: bit for bit
+        assert list(result["counts"]) == [{"all_gather": 1}] * 2
+        assert list(result["wire"]) == [(n - 1) * 5 * 16 * 8] * 2  # (N-1)/N of the gathered input, each way
