@@ -25,7 +25,7 @@ from course_lib.collectives.live import (
     example_data,
     run_collective,
 )
-from course_lib.collectives.p2p import send_recv
+from course_lib.collectives.p2p import peer, send_recv
 from course_lib.collectives.ring import (
     all_gather_step_,
     chunk_offsets,
@@ -62,6 +62,7 @@ __all__ = [
     "format_table",
     "human_bytes",
     "naive_all_reduce",
+    "peer",
     "reduce_scatter_step_",
     "ring_all_gather",
     "ring_all_reduce",

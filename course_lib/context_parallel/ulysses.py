@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from course_lib.expert_parallel.dispatch import all_to_all
+from course_lib.expert_parallel import all_to_all
 
 
 def ulysses_attention(

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib import comms
-from course_lib.collectives.p2p import peer
+from course_lib.collectives import peer
 
 
 def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
