@@ -1,6 +1,8 @@
 """course_lib.pipeline: schedules on paper, from-scratch pipelines on real gloo ranks, torch's schedules, exercises."""
 
 import re
+import runpy
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +11,8 @@ from course_lib import pipeline as pp
 from course_lib.exercises import check
 from tests.rank_programs import assert_checker, run
 from tests.rank_programs import pipeline as rank_programs
+
+SOLUTIONS = runpy.run_path(str(Path(__file__).parents[1] / "notebooks" / "solutions" / "08_pipeline_parallel.py"))
 
 # ---- on paper (no processes) ----------------------------------------------------------
 
@@ -210,24 +214,24 @@ def warmup_one_too_many(stage, n_stages, n_microbatches):  # p - s warm-up forwa
 
 
 def warmup_reversed(stage, n_stages, n_microbatches):  # stage s warms up like stage p-1-s: deadlock
-    return rank_programs.SOLUTIONS["one_f_one_b"](n_stages - 1 - stage, n_stages, n_microbatches)
+    return SOLUTIONS["one_f_one_b"](n_stages - 1 - stage, n_stages, n_microbatches)
 
 
 def copied_for_the_printed_m(stage, n_stages, n_microbatches):  # the order section 2 printed, for m = 2p only
-    return rank_programs.SOLUTIONS["one_f_one_b"](stage, n_stages, 2 * n_stages)
+    return SOLUTIONS["one_f_one_b"](stage, n_stages, 2 * n_stages)
 
 
 def forgets_last_backward(stage, n_stages, n_microbatches):
-    return rank_programs.SOLUTIONS["one_f_one_b"](stage, n_stages, n_microbatches)[:-1]
+    return SOLUTIONS["one_f_one_b"](stage, n_stages, n_microbatches)[:-1]
 
 
 def backward_first(stage, n_stages, n_microbatches):
-    order = rank_programs.SOLUTIONS["one_f_one_b"](stage, n_stages, n_microbatches)
+    order = SOLUTIONS["one_f_one_b"](stage, n_stages, n_microbatches)
     return [order[1], order[0], *order[2:]] if stage == n_stages - 1 and n_microbatches > 1 else order
 
 
 def strings(stage, n_stages, n_microbatches):
-    return [f"{k}{i}" for k, i in rank_programs.SOLUTIONS["one_f_one_b"](stage, n_stages, n_microbatches)]
+    return [f"{k}{i}" for k, i in SOLUTIONS["one_f_one_b"](stage, n_stages, n_microbatches)]
 
 
 ONE_F_ONE_B_WRONG = {
@@ -247,7 +251,7 @@ ONE_F_ONE_B_WRONG = {
 
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_one_f_one_b_checker_rejects_each_shortcut(nproc):
-    assert_checker(pp.check_one_f_one_b, rank_programs.SOLUTIONS["one_f_one_b"], ONE_F_ONE_B_WRONG, nproc=nproc)
+    assert_checker(pp.check_one_f_one_b, SOLUTIONS["one_f_one_b"], ONE_F_ONE_B_WRONG, nproc=nproc)
 
 
 def test_check_reports_rank_and_not_attempted(capsys):
@@ -279,7 +283,7 @@ def test_reference_one_f_one_b_is_the_library_order():
         for m in (1, 2, 5, 8):
             for s in range(p):
                 want = [(a.kind, a.microbatch) for a in pp.schedule_actions("1F1B", p, m)[s]]
-                assert rank_programs.SOLUTIONS["one_f_one_b"](s, p, m) == want
+                assert SOLUTIONS["one_f_one_b"](s, p, m) == want
 
 
 # ---- exercise 1: predict the interleaved bubble --------------------------------------------
@@ -292,7 +296,7 @@ def test_bubble_prediction(p, capsys):
     m = 2 * p  # the notebook's M_SHOW
     events = pp.simulate(pp.schedule_actions("interleaved 1F1B", p, m), 2 * p, t_forward=1, t_backward=2)
     measured = pp.bubble_fraction(events, p)
-    predict = rank_programs.SOLUTIONS["predicted_interleaved_bubble"]
+    predict = SOLUTIONS["predicted_interleaved_bubble"]
     assert check_prediction("bubble", predict(p, m), measured, rtol=0.05) is True
     for wrong in (
         pp.ideal_bubble(p, m),  # forgets v: 1F1B's bubble
@@ -371,7 +375,7 @@ def test_pipeline_step_checker(capsys):
     assert check(stub_pipeline_step, checker, nproc=2, backend="gloo") is None
     assert "not attempted yet" in capsys.readouterr().out
     for n in (2, 3):
-        assert check(rank_programs.SOLUTIONS["pipeline_step"], checker, nproc=n, backend="gloo") is True
+        assert check(SOLUTIONS["pipeline_step"], checker, nproc=n, backend="gloo") is True
     capsys.readouterr()
     for wrong, n, says in (
         (broken_pipeline_step, 3, "deadlock"),

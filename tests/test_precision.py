@@ -168,8 +168,10 @@ def test_scaler_equals_gradscaler_on_sharded_ranks(nproc):
     assert any(s != naive[0] for s in naive), "without the all-reduce the ranks should skip different steps"
 
     verdicts = values["verdicts"][0]
-    assert verdicts["found_inf"] == "passed" and verdicts["found_inf_across_ranks"] == "passed"
-    assert verdicts["calls_the_course_version"].startswith("this calls the course's found_inf_across_ranks")
+    assert verdicts["found_inf"] == "passed"
+    # the shortcut: the course's own function (section 3), handed in or called from the learner's code
+    for shortcut in ("found_inf_across_ranks", "calls_the_course_version"):
+        assert verdicts[shortcut].startswith("this calls the course's found_inf_across_ranks"), verdicts[shortcut]
     assert verdicts["local_only"].startswith(f"case 'inf on rank {nproc - 1} only': expected 1.0, got 0.0")
     assert verdicts["summed"].startswith(f"case '-inf on every rank': expected 1.0, got {float(nproc)}")
     assert verdicts["misses_nan"].startswith("case 'nan on rank 0 only'")

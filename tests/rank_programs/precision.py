@@ -68,8 +68,8 @@ def scalers_on_sharded_ranks(rank: int, world_size: int) -> dict:
     verdicts = {}
     for candidate in (
         runpy.run_path(str(SOLUTIONS))["found_inf"],
-        precision.found_inf_across_ranks,  # correct: the function itself, handed to the checker
-        calls_the_course_version,  # the shortcut: the same function, called from the learner's code
+        precision.found_inf_across_ranks,  # the shortcut, handed in as the answer
+        calls_the_course_version,  # the same, called from the learner's code
         local_only,
         summed,
         misses_nan,
