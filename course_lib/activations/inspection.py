@@ -78,17 +78,23 @@ class LiveBytes(TorchDispatchMode):
     `live.now()` at any point; `live.peak` the largest value seen after any op; `live.mark(name)` records now()
     under a name (e.g. "after forward"). Storage is counted once however many views share it. Tensors made before
     the mode began (parameters, the input batch) are not counted, nor are a kernel's internal buffers.
+    `live.now(communication=False)` leaves out the buffers a collective wrote into (FSDP's all-gather output):
+    gloo's worker thread drops its reference to them a moment after the collective returns, so whether they are
+    still alive right after one depends on scheduling, not on the program.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.tensors: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.communication: set[int] = set()  # storages handed to a c10d collective
         self.peak = 0
         self.marks: dict[str, int] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         inputs = {_storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        if func.namespace == "c10d":
+            self.communication |= inputs
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and _storage_key(t) not in inputs:  # not a view or an in-place result
                 storage = local_tensor(t).untyped_storage()
@@ -97,10 +103,13 @@ class LiveBytes(TorchDispatchMode):
         self.peak = max(self.peak, self.now())
         return out
 
-    def now(self) -> int:
-        """Bytes of the recorded tensors still alive (forgetting those that died)."""
+    def now(self, communication: bool = True) -> int:
+        """Bytes of the recorded tensors still alive (forgetting those that died), collectives' buffers included
+        unless `communication=False`."""
         self.tensors = {k: v for k, v in self.tensors.items() if not v[0].expired()}
-        return sum(_current_nbytes(ref, n) for ref, n in self.tensors.values())
+        self.communication &= self.tensors.keys()  # a dead storage's key may be reused by a new one
+        kept = self.tensors if communication else {k: v for k, v in self.tensors.items() if k not in self.communication}
+        return sum(_current_nbytes(ref, n) for ref, n in kept.values())
 
     def mark(self, name: str) -> int:
         self.marks[name] = self.now()

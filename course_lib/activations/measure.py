@@ -81,12 +81,13 @@ def loss_of(output: torch.Tensor) -> torch.Tensor:
 
 
 def measure_step(model: nn.Module, x: torch.Tensor) -> dict[str, Any]:
-    """One forward and backward of model(x): the bytes held after the forward and at the peak (LiveBytes), and
-    the gradients (whole: a collective under FSDP). The model's gradients are cleared before and after."""
+    """One forward and backward of model(x): the bytes held after the forward for backward and at the peak
+    (LiveBytes), and the gradients (whole: a collective under FSDP). The model's gradients are cleared before
+    and after."""
     model.zero_grad(set_to_none=True)
     with attention_backend("flash"), LiveBytes() as live:
         out = model(x)
-        held = live.now()
+        held = live.now(communication=False)  # FSDP's last all-gather buffer is not kept for backward
         loss_of(out).backward()
     gradients = list(full_gradients(model).values())
     model.zero_grad(set_to_none=True)
