@@ -18,6 +18,7 @@ from torch import nn
 from course_lib.activations.formulas import course_block_bytes, selective_block_bytes, stack_bytes
 from course_lib.activations.inspection import LiveBytes, matmul_flops
 from course_lib.compare import full_gradients, saved_activation_bytes
+from course_lib.launch.runtime import synchronize
 
 HIDDEN = 48  # the course block's default width
 
@@ -106,14 +107,13 @@ def step_flops(model: nn.Module, x: torch.Tensor) -> dict[str, int]:
 def time_steps(models: dict[str, nn.Module], x: torch.Tensor, reps: int = 5) -> dict[str, float]:
     """Median seconds of one forward and backward per model, the models taking turns (load hits them alike)."""
     seconds: dict[str, list[float]] = {name: [] for name in models}
-    sync: Callable[[], None] = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     for _ in range(reps + 1):  # the first round warms up
         for name, model in models.items():
-            sync()
+            synchronize(x.device)
             start = time.perf_counter()
             with attention_backend("flash"):
                 loss_of(model(x)).backward()
-            sync()
+            synchronize(x.device)
             seconds[name].append(time.perf_counter() - start)
     return {name: statistics.median(values[1:]) for name, values in seconds.items()}
 

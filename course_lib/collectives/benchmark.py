@@ -11,12 +11,7 @@ import torch.distributed as dist
 
 from course_lib.collectives.cost import bus_factor
 from course_lib.collectives.ring import naive_all_reduce, ring_all_reduce
-
-
-def _sync(device: torch.device) -> None:
-    # CUDA calls return before the kernels finish: wait for them, or the clock times the launch only.
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from course_lib.launch.runtime import synchronize
 
 
 def collective_calls(world_size: int) -> dict[str, Callable[[torch.Tensor, torch.Tensor], None]]:
@@ -57,11 +52,11 @@ def benchmark(
         for round_index in range(warmup + repeats):
             for name in names:
                 full.fill_(1.0)
-                _sync(device)
+                synchronize(device)
                 dist.barrier()
                 start = time.perf_counter()
                 calls[name](full, shard)
-                _sync(device)
+                synchronize(device)
                 elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the collective ends when the last rank is done
                 if round_index >= warmup:

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from course_lib.context_parallel.layout import all_positions, shard_sequence
 from course_lib.context_parallel.ring_attention import ring_attention
+from course_lib.launch.runtime import synchronize
 
 
 def time_ring_step(
@@ -37,8 +38,7 @@ def time_ring_step(
         dist.barrier(group=group)
         start = time.perf_counter()
         ring_attention(q_, k_, v_, held, group=group).sum().backward()
-        if q_.is_cuda:
-            torch.cuda.synchronize()
+        synchronize(q_.device)
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=q.device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)  # a step ends when its slowest rank ends
         times.append(float(elapsed))

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from course_lib.launch.runtime import synchronize
 from course_lib.models import MLP
 
 
@@ -42,12 +43,6 @@ def branch_indices(model: nn.Module) -> list[int]:
     return [i for i, name in enumerate(names) if name.startswith("branches.")]
 
 
-def _synchronize() -> None:
-    """Wait for the current CUDA device's queued work, if this process uses CUDA."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
 def seconds_per_step(steps: dict[str, Callable[[], object]], repeats: int = 30, warmup: int = 3) -> dict[str, float]:
     """The fastest wall time of each step function, measured in turns (a, b, c, a, b, c, ...).
 
@@ -59,10 +54,10 @@ def seconds_per_step(steps: dict[str, Callable[[], object]], repeats: int = 30, 
     times: dict[str, list[float]] = {name: [] for name in steps}
     for turn in range(warmup + repeats):
         for name, step in steps.items():
-            _synchronize()
+            synchronize()
             start = time.perf_counter()
             step()
-            _synchronize()
+            synchronize()
             if turn >= warmup:
                 times[name].append(time.perf_counter() - start)
     return {name: min(t) for name, t in times.items()}

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from course_lib.launch.runtime import synchronize
+
 
 def memory_mb(device: torch.device | str = "cpu") -> float:
     """Memory this rank holds now: CUDA tensors on a GPU, the process's resident set on the CPU."""
@@ -47,8 +49,7 @@ class _TimedStep:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.monitor.device.type == "cuda":
-            torch.cuda.synchronize(self.monitor.device)
+        synchronize(self.monitor.device)
         elapsed = time.perf_counter() - self.start
         self.monitor.seconds.append(elapsed)
         self.monitor.samples_per_s.append(self.samples / elapsed)

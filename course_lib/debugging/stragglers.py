@@ -14,10 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # a GPU step ends when its kernels end, not when they are launched
+from course_lib.launch.runtime import synchronize
 
 
 def straggler_steps(
@@ -40,7 +37,7 @@ def straggler_steps(
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     times: dict[str, list[float]] = {"work": [], "wait": [], "step": []}
     for _ in range(steps):
-        _synchronize(device)
+        synchronize(device)
         begin = time.perf_counter()
         optimizer.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
@@ -48,10 +45,10 @@ def straggler_steps(
             time.sleep(delay_s)
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        _synchronize(device)
+        synchronize(device)
         arrived = time.perf_counter()
         dist.all_reduce(flat)  # returns when the last rank has arrived and the sum is back
-        _synchronize(device)
+        synchronize(device)
         done = time.perf_counter()
         for g, mean in zip(grads, (flat / world).split([g.numel() for g in grads])):
             g.copy_(mean.view_as(g))

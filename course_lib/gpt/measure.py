@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from course_lib.launch.runtime import synchronize
+
 # fp32 (not TF32) dense peak from the data sheets, FLOP/s: what an fp32 run can reach. The first entry whose
 # parts all occur in the device's name (any case) wins, so a variant comes before its family: an H100 PCIe
 # ("NVIDIA H100 PCIe") runs at 51 TFLOP/s where the SXM part ("NVIDIA H100 80GB HBM3") runs at 67, and an
@@ -71,18 +73,14 @@ def matmul_flops(device: torch.device | str = "cpu", n: int | None = None, secon
     n = n or (4096 if device.type == "cuda" else 512)
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     a @ b  # warm-up
-    sync()
+    synchronize(device)
     done, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         for _ in range(4):
             a @ b
         done += 4
-        sync()
+        synchronize(device)
     return 2 * n**3 * done / (time.perf_counter() - start)
 
 

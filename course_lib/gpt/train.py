@@ -20,6 +20,7 @@ from torch import nn
 from course_lib.gpt.layouts import LR, Layout, build_mesh, make_optimizer, parallelize, sync_tied_gradients
 from course_lib.gpt.model import GPTConfig, loss_fn
 from course_lib.gpt.text import ShardedBatches, split, tokens_and_tokenizer
+from course_lib.launch.runtime import synchronize
 
 COUNTED_STEP = 1  # the step whose collectives are counted (the first also learns the pipeline's shapes)
 
@@ -84,11 +85,6 @@ def pipeline_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: S
     return step
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def train_layout(layout: Layout, steps: int, global_batch: int = 16, lr: float = LR,
           config: GPTConfig | None = None, device: torch.device | str = "cpu", *,
           save_at: int | None = None, checkpoint: str | None = None, resume: bool = False,
@@ -131,10 +127,10 @@ def train_layout(layout: Layout, steps: int, global_batch: int = 16, lr: float =
                 parts.append(step(s))
             result["sent"] = rec.by_dimension(mesh)  # {} for one process: no mesh, nothing sent
         else:
-            _synchronize(device)  # the previous step's kernels are not this step's time
+            synchronize(device)  # the previous step's kernels are not this step's time
             start = time.perf_counter()
             parts.append(step(s))
-            _synchronize(device)  # a step ends when its kernels end, not when they are launched
+            synchronize(device)  # a step ends when its kernels end, not when they are launched
             if s > result["first_step"]:
                 result["step_seconds"][s] = time.perf_counter() - start
         if after_step is not None:

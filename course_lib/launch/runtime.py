@@ -73,6 +73,18 @@ def rank_device() -> torch.device:
     return torch.device("cpu")
 
 
+def synchronize(device: torch.device | str | None = None) -> None:
+    """Wait until `device`'s queued kernels have run (this process's current CUDA device if None, once CUDA is in
+    use). CUDA calls return before their kernels finish, so a clock read without this times the launch only; on the
+    CPU an op has finished when it returns, and this does nothing."""
+    if device is None:
+        in_use = torch.cuda.is_available() and torch.cuda.is_initialized()
+        device = torch.device("cuda", torch.cuda.current_device()) if in_use else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device

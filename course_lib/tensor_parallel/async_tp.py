@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from course_lib import comms
 from course_lib.collectives import peer
+from course_lib.launch.runtime import synchronize
 
 
 def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -70,7 +71,6 @@ def time_overlap(
             dist.barrier(group)
             start = time.perf_counter()
             product(x, weight, group)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)  # kernels run after the call returns
+            synchronize(device)
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
