@@ -6,6 +6,7 @@ Each multi-rank test is one launch (about 3 s of start-up), so many checks share
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import tempfile
@@ -417,3 +418,45 @@ def test_bytes_written_counts_on_gloo_and_is_none_under_nccl(monkeypatch):
     assert isinstance(ddp.bytes_written(), int)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
     assert ddp.bytes_written() is None
+
+
+# ------------------------------------------------------------------------------------------------
+# torch.compile under DDP (section 9)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_recording_backend_sees_every_parameter_in_one_graph_without_ddp():
+    graphs: list[int] = []
+    model = MLP()
+    compiled = torch.compile(model, backend=ddp.recording_backend(graphs))
+    assert torch.equal(compiled(torch.ones(2, 32)), model(torch.ones(2, 32)))
+    torch._dynamo.reset()
+    assert graphs == [sum(p.numel() * 4 for p in model.parameters())]
+
+
+def graph_splits(rank, world_size):
+    import torch
+
+    from course_lib import ddp
+    from course_lib.models import MLP
+
+    big = dict(d_in=64, d_hidden=512, d_out=64, n_layers=3)  # Linear layers of 0.13, 1.05, 1.05, 0.13 MB
+    x = torch.randn(4, 64)
+    return {
+        "default": ddp.graphs_and_buckets(MLP(**big), x),
+        "capped": ddp.graphs_and_buckets(MLP(**big), x, bucket_cap_mb=1.5),
+        "off": ddp.graphs_and_buckets(MLP(**big), x, split=False),
+    }
+
+
+def test_ddp_optimizer_cuts_the_graphs_where_ddp_buckets_end():
+    for splits in run_source(graph_splits, 2):
+        total = sum(splits["default"]["buckets"])
+        assert all(sum(s["graphs"]) == sum(s["buckets"]) == total for s in splits.values()), splits
+        assert splits["default"]["graphs"] == splits["default"]["buckets"], splits  # the same cut, byte for byte
+        assert len(splits["default"]["buckets"]) > 1, splits  # DDP's 1 MiB first bucket
+        # With a cap given, DDP drops its small first bucket and DDPOptimizer does not: its first cut (1.18 MB)
+        # falls inside DDP's first bucket (2.23 MB), whose end falls inside the second graph.
+        graph_ends, bucket_ends = (set(itertools.accumulate(splits["capped"][k])) for k in ("graphs", "buckets"))
+        assert not bucket_ends <= graph_ends, splits
+        assert splits["off"]["graphs"] == [total], splits  # DDPOptimizer off: one graph

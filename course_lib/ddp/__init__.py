@@ -4,6 +4,7 @@
   GPU's clock (CUDA events) or the host's
 - replicas: the gradient-sync check and the rank-0 snapshot
 - train: the training harness, single-process or data-parallel over the same batches
+- compiled: torch.compile under DDP: the graphs Dynamo captures against DDP's buckets, compiled against eager
 - comm_hooks: torch DDP's compression hooks (fp16, bf16, PowerSGD), a timing hook and a bucket-recording hook
 - unused: a model with branches a step may not take; collectives counted per step; step times measured in turns
 - uneven: ranks with uneven numbers of batches: Join from scratch for MinimalDDP, and the reference run
@@ -22,6 +23,7 @@ from course_lib.ddp.comm_hooks import (
     timed_allreduce_hook,
     train_with_hook,
 )
+from course_lib.ddp.compiled import compiled_against_eager, graphs_and_buckets, recording_backend
 from course_lib.ddp.figures import (
     ddp_bytes_per_rank,
     low_precision_mean,
@@ -51,15 +53,18 @@ __all__ = [
     "check_average_gradient",
     "check_gradient_sync",
     "check_mean_allreduce_hook",
+    "compiled_against_eager",
     "ddp_bytes_per_rank",
     "global_loader",
     "gradient_error",
+    "graphs_and_buckets",
     "load_snapshot",
     "low_precision_mean",
     "on_host_clock",
     "overlap_fraction",
     "payload_bytes",
     "rank_loader",
+    "recording_backend",
     "recording_hook",
     "ring_bytes",
     "save_snapshot",

@@ -1,0 +1,100 @@
+"""Notebook 02, section 9: torch.compile under DDP.
+
+Dynamo captures the forward into FX graphs and hands each to a backend (Inductor by default); AOTAutograd derives
+each graph's backward. One compiled backward would produce every gradient at its end, leaving DDP nothing to
+overlap, so inside DDP Dynamo's DDPOptimizer (`torch._dynamo.config.optimize_ddp`) first cuts the forward where
+DDP's buckets end: the backward is then one graph per bucket, and each bucket's all-reduce starts when its graph
+ends, as in eager DDP.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from course_lib.ddp.comm_hooks import recording_hook
+from course_lib.ddp.unused import seconds_per_step
+
+
+def recording_backend(graphs: list[int], inductor: bool = False) -> Callable[..., Any]:
+    """A torch.compile backend that appends to `graphs` the parameter bytes of each graph it is handed (parameters
+    come in as the graph's inputs), then runs the graph as captured, or compiled by Inductor."""
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
+        graphs.append(sum(t.numel() * t.element_size() for t in example_inputs if isinstance(t, nn.Parameter)))
+        if inductor:
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(gm, example_inputs)  # type: ignore[return-value]
+        return gm.forward
+
+    return backend
+
+
+def graphs_and_buckets(
+    module: nn.Module, x: torch.Tensor, bucket_cap_mb: float | None = None, split: bool = True
+) -> dict[str, list[int]]:
+    """`DDP(torch.compile(module))`, two forward and backward passes (DDP settles its buckets after the first).
+
+    Returns the parameter bytes of each graph Dynamo captured and of each bucket DDP all-reduced in the second
+    backward, both in backward order (last layers first). `split=False` turns DDPOptimizer off.
+    """
+    graphs: list[int] = []
+    buckets: dict[int, list[str]] = {}
+    sizes = {name: p.numel() * p.element_size() for name, p in module.named_parameters()}
+    with torch._dynamo.config.patch(optimize_ddp=split):
+        model = DDP(torch.compile(module, backend=recording_backend(graphs)), bucket_cap_mb=bucket_cap_mb)
+        model.register_comm_hook(None, recording_hook(model, buckets))
+        for _ in range(2):
+            model(x).square().mean().backward()
+    torch._dynamo.reset()  # the next compile starts afresh
+    bucket_bytes = [sum(sizes[name.removeprefix("_orig_mod.")] for name in buckets[i]) for i in sorted(buckets)]
+    return {"graphs": graphs[::-1], "buckets": bucket_bytes}
+
+
+def compiled_against_eager(
+    make_model: Callable[[], nn.Module], batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float = 1e-2
+) -> dict[str, Any]:
+    """The same DDP training eager and as `DDP(torch.compile(model))` (Inductor), from the same weights on the same
+    batches, the two taking turns: this rank's loss at each step, the seconds of each one's first step, the graphs
+    compiled by the end of the first step and of the last (more would be a recompile), then the fastest step time
+    of each over 10 more steps on the last batch (`seconds_per_step`, in turns)."""
+    graphs: list[int] = []
+    models = {
+        "eager": DDP(make_model()),
+        "compiled": DDP(torch.compile(make_model(), backend=recording_backend(graphs, inductor=True))),
+    }
+    optimizers = {name: torch.optim.SGD(model.parameters(), lr=lr) for name, model in models.items()}
+
+    def step(name: str, x: torch.Tensor, y: torch.Tensor) -> float:
+        loss = nn.functional.mse_loss(models[name](x), y)
+        loss.backward()
+        optimizers[name].step()
+        optimizers[name].zero_grad(set_to_none=True)
+        return loss.item()
+
+    losses: dict[str, list[float]] = {name: [] for name in models}
+    first_step_s: dict[str, float] = {}
+    for x, y in batches:
+        for name in models:
+            start = time.perf_counter()
+            losses[name].append(step(name, x, y))
+            first_step_s.setdefault(name, time.perf_counter() - start)
+        if len(losses["compiled"]) == 1:
+            graphs_after_first_step = len(graphs)
+    x, y = batches[-1]
+    steps: dict[str, Callable[[], object]] = {name: functools.partial(step, name, x, y) for name in models}
+    seconds = seconds_per_step(steps, repeats=10, warmup=1)
+    torch._dynamo.reset()
+    return {
+        "losses": losses,
+        "first step s": first_step_s,
+        "step s": seconds,
+        "graphs": (graphs_after_first_step, len(graphs)),
+    }
