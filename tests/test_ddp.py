@@ -352,10 +352,10 @@ def test_branches_and_step_timing(monkeypatch):
     # A clock that only the steps move: "slow" costs 3 s, "fast" 1 s, the warm-up turn and one disturbed turn more.
     from types import SimpleNamespace
 
-    from course_lib.ddp import unused
+    from course_lib.launch import runtime
 
     now = [0.0]
-    monkeypatch.setattr(unused, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(runtime, "time", SimpleNamespace(perf_counter=lambda: now[0]))
     calls = []
 
     def step(name: str, cost: float):
@@ -366,7 +366,7 @@ def test_branches_and_step_timing(monkeypatch):
 
         return run
 
-    seconds = ddp.seconds_per_step({"fast": step("fast", 1.0), "slow": step("slow", 3.0)}, repeats=5, warmup=1)
+    seconds = runtime.seconds_in_turns({"fast": step("fast", 1.0), "slow": step("slow", 3.0)}, repeats=5, warmup=1)
     assert calls == ["fast", "slow"] * 6  # in turns, warm-up included
     assert seconds == {"fast": 1.0, "slow": 3.0}  # the least disturbed turn, the warm-up not counted
 

@@ -7,8 +7,8 @@ so both are the same under any load; time is measured too, and only compared as 
 
 from __future__ import annotations
 
+import functools
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +18,7 @@ from torch import nn
 from course_lib.activations.formulas import course_block_bytes, selective_block_bytes, stack_bytes
 from course_lib.activations.inspection import LiveBytes, matmul_flops
 from course_lib.compare import full_gradients, saved_activation_bytes
-from course_lib.launch.runtime import synchronize
+from course_lib.launch.runtime import seconds_in_turns
 
 HIDDEN = 48  # the course block's default width
 
@@ -106,16 +106,13 @@ def step_flops(model: nn.Module, x: torch.Tensor) -> dict[str, int]:
 
 def time_steps(models: dict[str, nn.Module], x: torch.Tensor, reps: int = 5) -> dict[str, float]:
     """Median seconds of one forward and backward per model, the models taking turns (load hits them alike)."""
-    seconds: dict[str, list[float]] = {name: [] for name in models}
-    for _ in range(reps + 1):  # the first round warms up
-        for name, model in models.items():
-            synchronize(x.device)
-            start = time.perf_counter()
-            with attention_backend("flash"):
-                loss_of(model(x)).backward()
-            synchronize(x.device)
-            seconds[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values[1:]) for name, values in seconds.items()}
+
+    def step(model: nn.Module) -> None:
+        with attention_backend("flash"):
+            loss_of(model(x)).backward()
+
+    steps: dict[str, Callable[[], object]] = {name: functools.partial(step, model) for name, model in models.items()}
+    return seconds_in_turns(steps, repeats=reps, warmup=1, statistic=statistics.median)
 
 
 def cuda_memory(fn: Callable[[], Any], device: torch.device) -> dict[str, int]:

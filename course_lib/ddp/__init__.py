@@ -35,7 +35,7 @@ from course_lib.ddp.minimal_ddp import MB, Bucket, MinimalDDP, assign_buckets, o
 from course_lib.ddp.replicas import check_gradient_sync, load_snapshot, save_snapshot
 from course_lib.ddp.train import TrainLog, bytes_written, global_loader, rank_loader, shuffled_order, train
 from course_lib.ddp.uneven import shadow_all_reduce, train_with_join, uneven_batches, uneven_reference
-from course_lib.ddp.unused import MLPWithBranches, branch_indices, seconds_per_step
+from course_lib.ddp.unused import MLPWithBranches, branch_indices
 
 __all__ = [
     "COMM_HOOKS",
@@ -68,7 +68,6 @@ __all__ = [
     "recording_hook",
     "ring_bytes",
     "save_snapshot",
-    "seconds_per_step",
     "shadow_all_reduce",
     "shuffled_order",
     "simulate_buckets",

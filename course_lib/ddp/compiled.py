@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course_lib.ddp.comm_hooks import recording_hook
-from course_lib.ddp.unused import seconds_per_step
+from course_lib.launch.runtime import seconds_in_turns
 
 
 def recording_backend(graphs: list[int], inductor: bool = False) -> Callable[..., Any]:
@@ -64,7 +64,7 @@ def compiled_against_eager(
     """The same DDP training eager and as `DDP(torch.compile(model))` (Inductor), from the same weights on the same
     batches, the two taking turns: this rank's loss at each step, the seconds of each one's first step, the graphs
     compiled by the end of the first step and of the last (more would be a recompile), then the fastest step time
-    of each over 10 more steps on the last batch (`seconds_per_step`, in turns)."""
+    of each over 10 more steps on the last batch (`seconds_in_turns`)."""
     graphs: list[int] = []
     models = {
         "eager": DDP(make_model()),
@@ -90,7 +90,7 @@ def compiled_against_eager(
             graphs_after_first_step = len(graphs)
     x, y = batches[-1]
     steps: dict[str, Callable[[], object]] = {name: functools.partial(step, name, x, y) for name in models}
-    seconds = seconds_per_step(steps, repeats=10, warmup=1)
+    seconds = seconds_in_turns(steps, repeats=10, warmup=1)
     torch._dynamo.reset()
     return {
         "losses": losses,

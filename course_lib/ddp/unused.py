@@ -9,13 +9,9 @@ ones ready, and all-reduces a map of who used what (one extra collective per ste
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
-from course_lib.launch.runtime import synchronize
 from course_lib.models import MLP
 
 
@@ -41,23 +37,3 @@ def branch_indices(model: nn.Module) -> list[int]:
     """Positions of the branches' parameters in model.parameters(): the indices DDP's error names."""
     names = [name.removeprefix("module.") for name, _ in model.named_parameters()]
     return [i for i, name in enumerate(names) if name.startswith("branches.")]
-
-
-def seconds_per_step(steps: dict[str, Callable[[], object]], repeats: int = 30, warmup: int = 3) -> dict[str, float]:
-    """The fastest wall time of each step function, measured in turns (a, b, c, a, b, c, ...).
-
-    Taking turns puts every variant under the same load; the fastest of many steps is the one the
-    machine disturbed least, so their ratio means something on a busy machine even when their
-    absolute times do not. The first `warmup` turns are not counted. Where CUDA is in use, the clock
-    is read with the device idle (synchronized), so a step's time covers its kernels, not their launch.
-    """
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for turn in range(warmup + repeats):
-        for name, step in steps.items():
-            synchronize()
-            start = time.perf_counter()
-            step()
-            synchronize()
-            if turn >= warmup:
-                times[name].append(time.perf_counter() - start)
-    return {name: min(t) for name, t in times.items()}

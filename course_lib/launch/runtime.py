@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import random
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -83,6 +85,31 @@ def synchronize(device: torch.device | str | None = None) -> None:
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def seconds_in_turns(
+    steps: dict[str, Callable[[], object]],
+    repeats: int = 30,
+    warmup: int = 3,
+    statistic: Callable[[list[float]], float] = min,
+) -> dict[str, float]:
+    """The wall time of each step function, measured in turns (a, b, c, a, b, c, ...): `statistic` of the
+    `repeats` turns after the first `warmup`, the fastest by default.
+
+    Taking turns puts every variant under the same load; the fastest of many steps is the one the machine
+    disturbed least, so their ratio means something on a busy machine even when their absolute times do not.
+    The clock is read with the device idle (synchronize), so a step's time covers its kernels, not their launch.
+    """
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for turn in range(warmup + repeats):
+        for name, step in steps.items():
+            synchronize()
+            start = time.perf_counter()
+            step()
+            synchronize()
+            if turn >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistic(t) for name, t in times.items()}
 
 
 def seed_everything(seed: int) -> None:
