@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import runpy
 from pathlib import Path
@@ -266,3 +267,72 @@ def test_micro_batches_checker_builds_the_rows_on_the_ranks_device(monkeypatch):
     with pytest.raises(Reached):
         checkers.check_micro_batches(recorder(devices))
     assert devices == [META, META]
+
+
+def test_planner_counts_collectives_per_layer_and_none_on_a_dimension_of_one_rank():
+    llama = compose.LLAMA_70B
+    assert compose.collectives_per_step(llama, 16, 4, 1, n_mb=64) == {
+        "dp all_gather": 80 * 128,
+        "dp reduce_scatter": 80 * 64,
+        "tp all_reduce": 80 * 4 * 64,
+    }
+    piped = compose.collectives_per_step(llama, 4, 4, 4, n_mb=256)  # pipelining's choices: m + 1 gathers, 1 sync
+    assert piped["dp all_gather"] == 20 * 257 and piped["dp reduce_scatter"] == 20
+    assert compose.collectives_per_step(llama, 1, 8, 1, n_mb=2) == {"tp all_reduce": 80 * 4 * 2}
+    assert compose.collectives_per_step(llama, 8, 1, 1, n_mb=2, zero_stage=0) == {"dp all_reduce": 80 * 2}
+
+
+def shards_add_up(shards: list[dict[str, compose.Shard]], n_blocks: int) -> bool:
+    held: dict[str, int] = {}
+    copies: dict[str, int] = {}
+    for rank in shards:
+        for name, shard in rank.items():
+            held[name] = held.get(name, 0) + math.prod(shard.shape)
+            copies[name] = shard.copies
+    full = {name: p.numel() for name, p in compose.make_model(n_blocks).named_parameters()}
+    return held.keys() == full.keys() and all(held[n] == full[n] * copies[n] for n in full)
+
+
+def test_simulated_ranks_count_the_planners_collectives_and_hold_every_element():
+    two_d, three_d = compose.Layout(pp=1, dp=8, tp=2), compose.Layout(pp=2, dp=2, tp=2)
+    steps = compose.step_collectives(two_d, n_mb=2, global_batch=48)
+    assert [s.calls for s in steps] == [compose.predicted_collectives(4, 8, 2, 1, 2)]
+    assert steps[0].calls == {"dp all_gather": 16, "dp reduce_scatter": 8, "tp all_reduce": 48}
+    piped = compose.step_collectives(three_d, n_mb=2, global_batch=12)
+    assert [s.calls for s in piped] == [compose.predicted_collectives(4, 2, 2, 2, 2)] * 2
+    # the bytes notebook 11's 3D cell counts on 8 real ranks (pp sends are not simulated)
+    assert piped[0].sent == {"pp": 0.0, "dp": 228480.0, "tp": 82944.0}
+    shards = compose.shard_shapes(two_d)
+    assert len(shards) == 16 and shards_add_up(shards, 4)
+    # 48 rows of q over tp=2 then dp=8: 3 rows each; a LayerNorm (whole under TP) over dp=8 only, twice over
+    assert shards[15]["3.attention.q.weight"] == compose.Shard((3, 48), 1)
+    assert shards[15]["3.norm1.weight"] == compose.Shard((6,), 2)
+
+
+def test_fake_rank_refuses_a_process_that_has_a_group_and_tears_its_own_down():
+    import torch.distributed as dist
+
+    with compose.fake_rank(0, 4):
+        inside = compose.fake_rank(1, 4)
+        with pytest.raises(RuntimeError, match="already belongs to a process group"):
+            inside.__enter__()
+    assert not dist.is_initialized()
+
+
+def test_local_tensor_mode_gives_every_rank_rank_0s_fsdp_shard():
+    """Why notebook 11 simulates with the fake backend: FSDP2 picks the shard by its process group's rank, one
+    integer in one process, so under LocalTensorMode every simulated rank holds rank 0's (48 rows over 5 ranks:
+    10, 10, 10, 10, 8), and a forward fails where FSDP2 frees the gathered parameters by resizing their storage."""
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with compose.fake_rank(0, 5):
+        mesh = init_device_mesh("cpu", (5,))
+        with LocalTensorMode(5):
+            block = compose.apply_fsdp(compose.make_model(1), mesh)[0]
+            local = block.norm1.weight.to_local()
+            rows = {rank: tuple(t.shape) for rank, t in local._local_tensors.items()}
+            with pytest.raises(RuntimeError, match="resize_"):  # freeing the gathered parameters after forward
+                block(torch.zeros(1, 6, 48))
+    assert rows == dict.fromkeys(range(5), (10,))
+    assert [s["0.norm1.weight"].shape for s in compose.shard_shapes(compose.Layout(1, 5, 1), 1)] == [(10,)] * 4 + [(8,)]

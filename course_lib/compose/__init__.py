@@ -7,6 +7,8 @@
   FSDP's reshard/defer choices included (kernel-only);
 - :mod:`.traffic`: the planner's prediction of the bytes each rank sends for the notebook's model, against what
   ``comms.Recorder`` counted;
+- :mod:`.simulate`: layouts of 8 to 64 ranks in one process (torch's fake backend, each rank played in turn):
+  every rank's shards and the collectives of a step, against the planner's counts;
 - :mod:`.checkers`: the exercises' checkers (coordinates, deferred gradient sync, agreed micro-batches).
 """
 
@@ -30,6 +32,7 @@ from course_lib.compose.planner import (
     Cluster,
     ModelShape,
     activation_bytes_per_layer,
+    collectives_per_step,
     format_plan,
     fsdp_collectives,
     microbatches,
@@ -37,14 +40,26 @@ from course_lib.compose.planner import (
     plan_options,
     step_time,
 )
-from course_lib.compose.traffic import compare_traffic, course_model_shape, predicted_traffic
+from course_lib.compose.simulate import (
+    Layout,
+    Shard,
+    StageStep,
+    fake_rank,
+    shard_shapes,
+    stage_step,
+    step_collectives,
+)
+from course_lib.compose.traffic import compare_traffic, course_model_shape, predicted_collectives, predicted_traffic
 
 __all__ = [
     "DIMS",
     "H100_NODES",
     "LLAMA_70B",
     "Cluster",
+    "Layout",
     "ModelShape",
+    "Shard",
+    "StageStep",
     "activation_bytes_per_layer",
     "apply_fsdp",
     "apply_tp",
@@ -52,8 +67,10 @@ __all__ = [
     "check_accumulate",
     "check_micro_batches",
     "check_my_coordinates",
+    "collectives_per_step",
     "compare_traffic",
     "course_model_shape",
+    "fake_rank",
     "format_plan",
     "fsdp_collectives",
     "loss_fn",
@@ -63,12 +80,16 @@ __all__ = [
     "new_groups_by_hand",
     "plan",
     "plan_options",
+    "predicted_collectives",
     "predicted_traffic",
     "quiet_full_tensor",
     "rank_grid",
     "reference_grads",
     "shard_loss",
+    "shard_shapes",
     "stage_blocks",
+    "stage_step",
+    "step_collectives",
     "step_time",
     "unsharded_gradients",
 ]

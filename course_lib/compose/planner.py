@@ -102,6 +102,45 @@ def fsdp_collectives(
     return {"all_gather": gathers, "reduce_scatter": syncs, "all_reduce": 0}
 
 
+def _pipelining_choices(
+    pp: int, reshard_after_backward: bool | None, defer_grad_sync: bool | None
+) -> tuple[bool, bool]:
+    """FSDP's choices where not given: its defaults, or with pp > 1 what pipelining sets on a stage (stage.py)."""
+    piped = pp > 1
+    return (
+        not piped if reshard_after_backward is None else reshard_after_backward,
+        piped if defer_grad_sync is None else defer_grad_sync,
+    )
+
+
+def collectives_per_step(
+    m: ModelShape,
+    dp: int,
+    tp: int,
+    pp: int,
+    n_mb: int,
+    *,
+    zero_stage: int = 3,
+    reshard_after_forward: bool = True,
+    reshard_after_backward: bool | None = None,
+    defer_grad_sync: bool | None = None,
+) -> dict[str, int]:
+    """Collective calls one GPU issues per step for its stage's L/pp layers, by mesh dimension ("dp all_gather"):
+    FSDP's :func:`fsdp_collectives` per unit (one unit per layer) over dp, and `m.tp_all_reduces` activation
+    all-reduces per layer and micro-batch over tp. A dimension of one rank issues none. The FSDP choices
+    default as in :func:`plan` (pipelining's where pp > 1). Notebook 11 asserts these counts against simulated ranks.
+    """
+    reshard_after_backward, defer_grad_sync = _pipelining_choices(pp, reshard_after_backward, defer_grad_sync)
+    layers = m.layers // pp
+    calls = {}
+    if dp > 1:
+        per_unit = fsdp_collectives(n_mb, zero_stage, reshard_after_forward, reshard_after_backward, defer_grad_sync)
+        calls.update({f"dp {op}": layers * n for op, n in per_unit.items() if n})
+    if tp > 1:
+        calls["tp all_reduce"] = layers * m.tp_all_reduces * n_mb
+    return dict(sorted(calls.items()))
+
+
 def step_time(r: dict[str, float]) -> float:
     """Seconds per step: compute stretched by the bubble, plus what communication cannot hide.
 
@@ -148,10 +187,19 @@ def plan(
         raise ValueError(f"tp={tp} spans nodes: keep tensor parallelism inside a node (tp <= {cluster.gpus_per_node})")
     if m.layers % pp:
         raise ValueError(f"{m.layers} layers do not split into pp={pp} equal stages")
-    piped = pp > 1
-    reshard_after_backward = not piped if reshard_after_backward is None else reshard_after_backward
-    defer_grad_sync = piped if defer_grad_sync is None else defer_grad_sync
     n_mb = microbatches(global_batch, dp, m.micro_batch)
+    calls = collectives_per_step(
+        m,
+        dp,
+        tp,
+        pp,
+        n_mb,
+        zero_stage=zero_stage,
+        reshard_after_forward=reshard_after_forward,
+        reshard_after_backward=reshard_after_backward,
+        defer_grad_sync=defer_grad_sync,
+    )
+    reshard_after_backward, defer_grad_sync = _pipelining_choices(pp, reshard_after_backward, defer_grad_sync)
     params_per_gpu = m.n_params / (tp * pp)
     state = zero_bytes_per_gpu(params_per_gpu, dp, zero_stage)
     kept = 0.0  # what the choices keep whole between micro-batches: gathered params, unsharded gradients
@@ -161,10 +209,10 @@ def plan(
         kept += params_per_gpu * 4 * (dp - 1) / dp  # fp32 gradients accumulate unsharded
     activations = m.layers * activation_bytes_per_layer(m, tp, sequence_parallel, recompute, attention)
     act_msg = m.seq * m.micro_batch * m.hidden * bytes_per_value  # one activation tensor of a micro-batch
-    tp_bytes = (m.layers / pp) * m.tp_all_reduces * 2 * (tp - 1) / tp * act_msg * n_mb
-    calls = fsdp_collectives(n_mb, zero_stage, reshard_after_forward, reshard_after_backward, defer_grad_sync)
-    per_call = (dp - 1) / dp * params_per_gpu * bytes_per_value  # a ring all-gather or reduce-scatter
-    dp_bytes = (calls["all_gather"] + calls["reduce_scatter"] + 2 * calls["all_reduce"]) * per_call
+    tp_bytes = calls.get("tp all_reduce", 0) * 2 * (tp - 1) / tp * act_msg
+    per_call = (dp - 1) / dp * params_per_gpu / (m.layers / pp) * bytes_per_value  # a unit's ring gather or reduce
+    dp_calls = calls.get("dp all_gather", 0) + calls.get("dp reduce_scatter", 0) + 2 * calls.get("dp all_reduce", 0)
+    dp_bytes = dp_calls * per_call
     pp_bytes = 2 * (pp - 1) / pp * act_msg * n_mb  # mean per GPU: the end stages send one way, the others both
     intra, inter = cluster.intra_node_GBps, cluster.inter_node_GBps
     dp_link = intra if tp * dp <= cluster.gpus_per_node else inter

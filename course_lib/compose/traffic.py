@@ -1,13 +1,13 @@
-"""Bytes each rank sends in a step: the planner's prediction for notebook 11's model, and its comparison with
-what the ranks counted (``comms.Recorder.by_dimension(mesh)``: every collective charged to the mesh dimension whose
-group it ran on, under the ring cost model the planner uses).
+"""Bytes each rank sends in a step, and its collective calls: the planner's prediction for notebook 11's model, and
+its comparison with what the ranks counted (``comms.Recorder.by_dimension(mesh)``: every collective charged to the
+mesh dimension whose group it ran on, under the ring cost model the planner uses).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from course_lib.compose.planner import Cluster, ModelShape, plan
+from course_lib.compose.planner import Cluster, ModelShape, collectives_per_step, plan
 from course_lib.memory import GB
 
 
@@ -28,6 +28,11 @@ def predicted_traffic(
         shape, dp, tp, pp, Cluster(gpus_per_node=max(tp, 1)), global_batch=global_batch, bytes_per_value=4, **choices
     )
     return {dim: r[f"{dim}_comm_GB"] * GB for dim in ("tp", "dp", "pp")}
+
+
+def predicted_collectives(n_blocks: int, dp: int, tp: int, pp: int, n_mb: int, **choices: Any) -> dict[str, int]:
+    """The planner's collective calls per GPU per step for the course's model (micro-batch size does not matter)."""
+    return collectives_per_step(course_model_shape(n_blocks, micro_batch=1), dp, tp, pp, n_mb, **choices)
 
 
 def compare_traffic(layout: str, predicted: dict[str, float], measured: dict[str, float]) -> tuple[float, str]:

@@ -1,0 +1,159 @@
+"""Layouts of many ranks in one process: torch's fake backend plays each rank of an N-rank job in turn.
+
+``init_process_group("fake", ...)`` gives this process a rank and a world size, and every collective returns at
+once without moving data. The course's parallelize (:func:`.build_mesh`, :func:`.stage_blocks`, :func:`.apply_tp`,
+:func:`.apply_fsdp`) then runs unchanged: the rank holds the shards it would hold in the real job, and one step
+issues the collectives it would issue, which ``comms.Recorder`` counts. The values are meaningless (nothing was
+gathered or summed), and so is any time. Tensors stay on the CPU: only shapes and calls are simulated.
+
+A pipeline stage cannot run its schedule this way: the schedule's first step receives the shapes the stages
+exchange (``recv_object_list``), and a fake receive delivers nothing. Each stage is simulated as dp x tp instead,
+running its micro-batches as ``torch.distributed.pipelining`` runs them under GPipe, with the FSDP choices it makes
+(stage.py: parameters kept gathered after the first backward, the gradients reduce-scattered once, at the end).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+from course_lib import comms
+from course_lib.compose.mesh import DIMS, build_mesh
+from course_lib.compose.parallelize import apply_fsdp, apply_tp, loss_fn, make_batch, make_model, stage_blocks
+
+
+@dataclass(frozen=True)
+class Layout:
+    """pp x dp x tp ranks, laid out as :func:`.build_mesh` lays them out (tp innermost)."""
+
+    pp: int
+    dp: int
+    tp: int
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def __str__(self) -> str:
+        return f"pp={self.pp} x dp={self.dp} x tp={self.tp} ({self.world} ranks)"
+
+
+@dataclass(frozen=True)
+class Shard:
+    """What one rank holds of one parameter: its local shape, and on how many ranks of its stage the same shard
+    sits (the mesh dimensions the parameter is replicated over, e.g. a LayerNorm's weight over tp)."""
+
+    shape: tuple[int, ...]
+    copies: int
+
+
+@contextmanager
+def fake_rank(rank: int, world_size: int) -> Iterator[None]:
+    """This process as rank `rank` of `world_size`, on the fake backend; torn down on exit."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # where torchtitan's dry runs take it from
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            "this process already belongs to a process group: simulate in one that has none "
+            "(the notebook's kernel, not a %%torchrun cell)"
+        )
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        # the next rank's meshes equal this one's (same layout), so DTensor's caches would hand it this rank's
+        # decisions, process groups included
+        _clear_sharding_prop_cache()
+        clear_redistribute_planner_cache()
+
+
+def parallelized_stage(layout: Layout, n_blocks: int) -> tuple[nn.Sequential, DeviceMesh, int]:
+    """The current rank's pipeline stage with TP over "tp" and FSDP over "dp", as notebook 11's 2D/3D cells build
+    it; its mesh, and the index of its first block in the whole model."""
+    mesh = build_mesh(layout.pp, layout.dp, layout.tp)
+    stage = mesh["pp"].get_local_rank()
+    blocks = stage_blocks(make_model(n_blocks), stage, layout.pp)
+    return apply_fsdp(apply_tp(blocks, mesh["tp"]), mesh["dp"]), mesh, stage * len(blocks)
+
+
+def shard_shapes(layout: Layout, n_blocks: int = 4) -> list[dict[str, Shard]]:
+    """Every rank's shard of every parameter of its stage (named as in the whole model), rank by rank."""
+    ranks = []
+    for rank in range(layout.world):
+        with fake_rank(rank, layout.world):
+            blocks, _, first = parallelized_stage(layout, n_blocks)
+            shards = {}
+            for name, param in blocks.named_parameters():
+                assert isinstance(param, DTensor)
+                index, rest = name.split(".", 1)
+                replicated = [n for n, p in zip(param.device_mesh.shape, param.placements) if isinstance(p, Replicate)]
+                # a parameter TP leaves whole has a mesh without "tp": it is replicated over tp too
+                copies = math.prod(replicated) * layout.dp * layout.tp // param.device_mesh.size()
+                shards[f"{int(index) + first}.{rest}"] = Shard(tuple(param.to_local().shape), copies)
+            ranks.append(shards)
+    return ranks
+
+
+def stage_step(blocks: nn.Sequential, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], pipelined: bool) -> None:
+    """One training step of an FSDP stage. Alone: forward and backward per micro-batch, FSDP's defaults.
+    In a pipeline: GPipe's order, all forwards then all backwards, with the FSDP choices pipelining makes (stage.py)
+    and turns back on for the last backward."""
+    if not pipelined:
+        for x, y in micro_batches:
+            loss_fn(blocks(x), y).backward()
+        return
+    blocks.set_reshard_after_backward(False)  # type: ignore[operator]
+    blocks.set_requires_gradient_sync(False)  # type: ignore[operator]
+    outputs = [blocks(x) for x, _ in micro_batches]
+    for i, (out, (_, y)) in enumerate(zip(outputs, micro_batches)):
+        if i == len(outputs) - 1:
+            blocks.set_reshard_after_backward(True)  # type: ignore[operator]
+            blocks.set_requires_gradient_sync(True)  # type: ignore[operator]
+        loss_fn(out, y).backward()
+
+
+@dataclass(frozen=True)
+class StageStep:
+    """One step on the first rank of a pipeline stage: its collective calls by mesh dimension and op
+    ("dp all_gather": calls), and the bytes it sends per dimension (ring model, as ``Recorder.by_dimension``)."""
+
+    calls: dict[str, int]
+    sent: dict[str, float]
+
+
+def step_collectives(layout: Layout, n_mb: int, global_batch: int, n_blocks: int = 4) -> list[StageStep]:
+    """One training step of `n_mb` micro-batches per dp rank, simulated on the first rank of every stage (the
+    other ranks of a stage run the same program on other shards: the same calls)."""
+    steps = []
+    for stage in range(layout.pp):
+        with fake_rank(stage * layout.dp * layout.tp, layout.world):
+            blocks, mesh, _ = parallelized_stage(layout, n_blocks)
+            x, y = make_batch(global_batch)
+            d = mesh["dp"].get_local_rank()
+            x_d, y_d = x.tensor_split(layout.dp)[d], y.tensor_split(layout.dp)[d]
+            micro_batches = list(zip(x_d.tensor_split(n_mb), y_d.tensor_split(n_mb)))
+            if stage > 0:  # a later stage's input comes from the previous stage, which needs its gradient
+                micro_batches = [(x_m.requires_grad_(), y_m) for x_m, y_m in micro_batches]
+            with comms.Recorder() as recorder:
+                stage_step(blocks, micro_batches, pipelined=layout.pp > 1)
+            steps.append(StageStep(_calls_by_dimension(recorder, mesh), recorder.by_dimension(mesh)))
+    return steps
+
+
+def _calls_by_dimension(recorder: comms.Recorder, mesh: DeviceMesh) -> dict[str, int]:
+    groups = {tuple(dist.get_process_group_ranks(mesh[name].get_group())): name for name in DIMS}
+    calls: dict[str, int] = {}
+    for (op, ranks), (n, _) in recorder.per_group().items():
+        calls[f"{groups[ranks]} {op}"] = calls.get(f"{groups[ranks]} {op}", 0) + n
+    return dict(sorted(calls.items()))
