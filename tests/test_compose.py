@@ -13,6 +13,7 @@ import torch
 from course_lib import compose
 from course_lib.compare import max_difference
 from course_lib.exercises import check, check_prediction
+from course_lib.launch import runtime
 from tests.rank_programs import assert_checker
 
 SOLUTIONS = runpy.run_path(str(Path(__file__).parents[1] / "notebooks/solutions/11_composing_parallelism.py"))
@@ -312,8 +313,8 @@ def test_simulated_ranks_count_the_planners_collectives_and_hold_every_element()
 def test_fake_rank_refuses_a_process_that_has_a_group_and_tears_its_own_down():
     import torch.distributed as dist
 
-    with compose.fake_rank(0, 4):
-        inside = compose.fake_rank(1, 4)
+    with runtime.fake_rank(0, 4):
+        inside = runtime.fake_rank(1, 4)
         with pytest.raises(RuntimeError, match="already belongs to a process group"):
             inside.__enter__()
     assert not dist.is_initialized()
@@ -326,7 +327,7 @@ def test_local_tensor_mode_gives_every_rank_rank_0s_fsdp_shard():
     from torch.distributed._local_tensor import LocalTensorMode
     from torch.distributed.device_mesh import init_device_mesh
 
-    with compose.fake_rank(0, 5):
+    with runtime.fake_rank(0, 5):
         mesh = init_device_mesh("cpu", (5,))
         with LocalTensorMode(5):
             block = compose.apply_fsdp(compose.make_model(1), mesh)[0]

@@ -9,7 +9,7 @@ import torch
 
 from course_lib import pipeline as pp
 from course_lib.exercises import check
-from tests.rank_programs import assert_checker, run
+from tests.rank_programs import assert_checker, run, run_source
 from tests.rank_programs import pipeline as rank_programs
 
 SOLUTIONS = runpy.run_path(str(Path(__file__).parents[1] / "notebooks" / "solutions" / "08_pipeline_parallel.py"))
@@ -112,6 +112,113 @@ def test_split_into_stages_is_the_whole_model(n_stages):
 def test_split_refuses_more_stages_than_layers():
     with pytest.raises(ValueError, match="cannot cut 16 Linear layers into 17 stages"):
         pp.split_into_stages(pp.course_model(), 17)
+
+
+# ---- zero bubble: the backward split into B and W ----------------------------------------
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+def test_zero_bubble_lists_run_every_action_once_and_have_the_formulas_bubble(p):
+    for m in (p, p + 1, 2 * p, 3 * p + 1):
+        actions = pp.schedule_actions(pp.ZERO_BUBBLE, p, m)
+        pp.validate(actions, p, m)  # every F, B and W once, on its stage's rank
+        events = pp.simulate(actions, p)  # no deadlock; t_F = t_B = t_W = 1
+        assert pp.bubble_fraction(events, p) == pytest.approx(pp.zero_bubble_ideal(p, m), abs=1e-12), (p, m)
+        one_f_one_b = pp.schedule_actions("1F1B", p, m)
+        most = max(max(pp.peak_in_flight(a).values()) for a in one_f_one_b.values())
+        assert max(max(pp.peak_in_flight(a).values()) for a in actions.values()) == most  # 1F1B's peak
+        # with W's removed it is 1F1B's order: B keeps its place
+        assert {r: [a for a in todo if a.kind != "W"] for r, todo in actions.items()} == one_f_one_b
+
+
+def test_zero_bubble_is_at_most_half_of_1f1b_at_the_issues_figure():
+    ours = pp.bubble_fraction(pp.simulate(pp.schedule_actions(pp.ZERO_BUBBLE, 4, 8), 4), 4)
+    assert ours == pytest.approx(3 / 27) and ours <= pp.ideal_bubble(4, 8) / 2
+    with pytest.raises(ValueError, match="m >= p"):
+        pp.zero_bubble_ideal(4, 3)
+
+
+def test_split_backward_b_computes_no_weight_gradient_and_w_completes_it():
+    torch.manual_seed(0)
+    whole = pp.split_into_stages(pp.course_model(), 4)[1]
+    split = pp.split_into_stages(pp.course_model(), 4)[1]
+    x, grad = torch.randn(4, 64), torch.randn(4, 64)
+    x_whole = x.clone().requires_grad_()
+    whole(x_whole).backward(grad)
+    x_split = x.clone().requires_grad_()
+    with pp.recording_layer_outputs(split) as layers:
+        out = split(x_split)
+    input_grad, output_grads = pp.backward_input(x_split, out, grad, layers)
+    assert torch.allclose(input_grad, x_whole.grad, atol=1e-6)
+    assert all(param.grad is None for param in split.parameters())  # B left every weight gradient to W
+    pp.backward_weight(layers, output_grads)
+    for mine, want in zip(split.parameters(), whole.parameters()):
+        assert torch.allclose(mine.grad, want.grad, atol=1e-6)
+
+
+def zero_bubble_program(rank, world_size):  # sent to the ranks by run_source
+    import torch
+
+    from course_lib import pipeline as pp
+
+    torch.manual_seed(1)
+    x, y = torch.randn(48, 64), torch.randn(48, 8)
+    report = {}
+    for m in (world_size, 12):
+        ref_loss, expected = pp.reference_stage_gradients(pp.course_model(), world_size, x, y)
+        record, ours = pp.pipeline_step(pp.ZERO_BUBBLE, m, x, y)
+        report[m] = dict(
+            error=pp.max_gradient_error(ours, expected),
+            peak=record.peak,
+            expected_peak=pp.peak_in_flight(pp.schedule_actions(pp.ZERO_BUBBLE, world_size, m)[rank]),
+            mean_loss=sum(record.losses.values()) / m if record.losses else None,
+            ref_loss=ref_loss,
+        )
+    return report
+
+
+def test_zero_bubble_on_two_ranks_equals_single_process():
+    for rank, report in enumerate(run_source(zero_bubble_program, 2)):
+        for m, r in report.items():
+            assert r["error"] < 1e-5, (rank, m, r["error"])
+            assert r["peak"] == r["expected_peak"], (rank, m)
+            if rank == 1:
+                assert r["mean_loss"] == pytest.approx(r["ref_loss"], abs=1e-6)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_torch_two_stage_schedules_simulated_have_their_formulas_bubble(p):
+    for m in (2 * p, 3 * p):
+        for name in pp.TORCH_SCHEDULES:
+            actions = pp.torch_schedule_order(name, p, m)  # in a fake process group of p ranks
+            assert sorted(a.stage for a in actions[0] if a.kind == "F")[::m] == pp.stages_of_rank(name, 0, p)
+            bubble = pp.bubble_fraction(pp.simulate(actions, 2 * p), p)
+            want = pp.ideal_bubble(p, m, 2) if name == "ScheduleLoopedBFS" else pp.zero_bubble_ideal(p, m, 2)
+            assert bubble == pytest.approx(want, abs=1e-12), (name, p, m)
+
+
+def torch_schedules_program(rank, world_size):  # sent to the ranks by run_source
+    import torch
+
+    from course_lib import pipeline as pp
+
+    torch.manual_seed(1)
+    x, y = torch.randn(48, 64), torch.randn(48, 8)
+    _, expected = pp.reference_stage_gradients(pp.course_model(), 2 * world_size, x, y)
+    report = {}
+    for name in pp.TORCH_SCHEDULES:
+        _, modules, ran = pp.torch_schedule_step(name, 4 * world_size, x, y)
+        report[name] = dict(error=pp.max_gradient_error(modules, expected), stages=sorted(modules), ran=ran)
+    return report
+
+
+def test_torch_two_stage_schedules_on_two_ranks_equal_single_process():
+    reports = run_source(torch_schedules_program, 2)
+    for rank, report in enumerate(reports):
+        for name, r in report.items():
+            assert r["error"] < 1e-5, (rank, name, r["error"])
+            assert r["stages"] == sorted(pp.stages_of_rank(name, rank, 2))
+            assert r["ran"] == pp.torch_schedule_order(name, 2, 8)  # the lists the ranks ran, rebuilt on paper
 
 
 # ---- real ranks -------------------------------------------------------------------------

@@ -15,8 +15,6 @@ running its micro-batches as ``torch.distributed.pipelining`` runs them under GP
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -24,12 +22,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
-from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from course_lib import comms
 from course_lib.compose.mesh import DIMS, build_mesh
 from course_lib.compose.parallelize import apply_fsdp, apply_tp, loss_fn, make_batch, make_model, stage_blocks
+from course_lib.launch.runtime import fake_rank
 
 
 @dataclass(frozen=True)
@@ -55,27 +52,6 @@ class Shard:
 
     shape: tuple[int, ...]
     copies: int
-
-
-@contextmanager
-def fake_rank(rank: int, world_size: int) -> Iterator[None]:
-    """This process as rank `rank` of `world_size`, on the fake backend; torn down on exit."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # where torchtitan's dry runs take it from
-
-    if dist.is_initialized():
-        raise RuntimeError(
-            "this process already belongs to a process group: simulate in one that has none "
-            "(the notebook's kernel, not a %%torchrun cell)"
-        )
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-        # the next rank's meshes equal this one's (same layout), so DTensor's caches would hand it this rank's
-        # decisions, process groups included
-        _clear_sharding_prop_cache()
-        clear_redistribute_planner_cache()
 
 
 def parallelized_stage(layout: Layout, n_blocks: int) -> tuple[nn.Sequential, DeviceMesh, int]:

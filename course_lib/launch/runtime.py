@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -110,6 +111,31 @@ def seconds_in_turns(
             if turn >= warmup:
                 times[name].append(time.perf_counter() - start)
     return {name: statistic(t) for name, t in times.items()}
+
+
+@contextmanager
+def fake_rank(rank: int, world_size: int) -> Iterator[None]:
+    """This process as rank `rank` of a `world_size`-rank job on torch's fake backend, whose collectives return at
+    once and move nothing (torchtitan's dry runs): what a rank builds and which calls it makes, without the ranks.
+    Torn down on exit."""
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # where torchtitan's dry runs take it from
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            "this process already belongs to a process group: simulate in one that has none "
+            "(the notebook's kernel, not a %%torchrun cell)"
+        )
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        # the next rank's meshes equal this one's (same layout), so DTensor's caches would hand it this rank's
+        # decisions, process groups included
+        _clear_sharding_prop_cache()
+        clear_redistribute_planner_cache()
 
 
 def seed_everything(seed: int) -> None:

@@ -2,10 +2,12 @@
 
 A model is cut into *stages* (stages.py), one per rank, or several per rank ("virtual stages", for the
 interleaved schedule). A batch is cut into *micro-batches*. A *schedule* is, for every rank, an
-explicit list of actions ``Action("F" or "B", microbatch, stage)`` (schedules.py); :func:`simulate`
+explicit list of actions ``Action("F" or "B", microbatch, stage)`` (schedules.py; zero-bubble schedules add "W",
+the weight gradient of a backward split in two: split_backward.py); :func:`simulate`
 computes its ideal timeline or finds its deadlock without running anything (timeline.py), and
 :func:`execute` runs it with point-to-point send/recv (execution.py). train.py holds one training
-step, ours and torch.distributed.pipelining's, against single-process training; figures.py the
+step, ours and torch.distributed.pipelining's, against single-process training; torch_schedules.py torch's
+two-stages-per-rank schedules (zero bubble, DualPipeV, looped BFS) and their action lists as ours; figures.py the
 Gantt chart; checkers.py the exercises' checkers
 (solutions: notebooks/solutions/08_pipeline_parallel.py). The names below are those the notebook, tests and
 benchmark use.
@@ -16,6 +18,7 @@ from course_lib.pipeline.execution import execute, naive_model_parallel
 from course_lib.pipeline.figures import plot_timeline
 from course_lib.pipeline.schedules import (
     SCHEDULES,
+    ZERO_BUBBLE,
     Action,
     gpipe_actions,
     ideal_bubble,
@@ -23,9 +26,19 @@ from course_lib.pipeline.schedules import (
     peak_in_flight,
     schedule_actions,
     validate,
+    zero_bubble_actions,
+    zero_bubble_ideal,
 )
+from course_lib.pipeline.split_backward import backward_input, backward_weight, recording_layer_outputs
 from course_lib.pipeline.stages import course_model, local_stages, split_into_stages, stage_boundaries
 from course_lib.pipeline.timeline import Deadlock, bubble_fraction, simulate
+from course_lib.pipeline.torch_schedules import (
+    TORCH_SCHEDULES,
+    course_actions,
+    stages_of_rank,
+    torch_schedule_order,
+    torch_schedule_step,
+)
 from course_lib.pipeline.train import (
     loss_fn,
     max_gradient_error,
@@ -37,11 +50,16 @@ from course_lib.pipeline.train import (
 
 __all__ = [
     "SCHEDULES",
+    "TORCH_SCHEDULES",
+    "ZERO_BUBBLE",
     "Action",
     "Deadlock",
+    "backward_input",
+    "backward_weight",
     "bubble_fraction",
     "check_one_f_one_b",
     "check_pipeline_step",
+    "course_actions",
     "course_model",
     "execute",
     "gpipe_actions",
@@ -54,12 +72,18 @@ __all__ = [
     "peak_in_flight",
     "pipeline_step",
     "plot_timeline",
+    "recording_layer_outputs",
     "reference_stage_gradients",
     "schedule_actions",
     "simulate",
     "split_into_stages",
     "stage_boundaries",
     "stage_gradients",
+    "stages_of_rank",
     "torch_pipeline_step",
+    "torch_schedule_order",
+    "torch_schedule_step",
     "validate",
+    "zero_bubble_actions",
+    "zero_bubble_ideal",
 ]

@@ -26,6 +26,7 @@ from course_lib.pipeline.schedules import (
     interleaved_actions,
     peak_in_flight,
     schedule_actions,
+    zero_bubble_actions,
 )
 from course_lib.pipeline.stages import course_model, split_into_stages
 from course_lib.pipeline.timeline import Deadlock, bubble_fraction, simulate
@@ -57,6 +58,7 @@ def _library_schedules() -> dict[str, Callable[..., Any]]:
         "schedule_actions": schedule_actions,
         "_one_f_one_b_actions": _one_f_one_b_actions,
         "interleaved_actions": interleaved_actions,
+        "zero_bubble_actions": zero_bubble_actions,  # 1F1B once its W's are dropped
         "Schedule1F1B._get_pipeline_order": Schedule1F1B._get_pipeline_order,
     }
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from course_lib.compare import grad_of
 from course_lib.pipeline.schedules import Action
+from course_lib.pipeline.split_backward import backward_input, backward_weight, recording_layer_outputs
 from course_lib.pipeline.timeline import Event
 
 
@@ -73,7 +74,9 @@ def execute(
     is divided by the number of micro-batches, so the gradients equal those of
     the mean loss over the whole batch. `stage_ranks[s % p]` is the global rank
     holding stage s (default: rank s % p). `min_seconds` pads each action
-    to a fixed duration ({"F": ..., "B": ...}), as if every rank had its own device.
+    to a fixed duration ({"F": ..., "B": ..., "W": ...}), as if every rank had its own device.
+    A micro-batch's B whose W is also in the list computes only the input gradient, and
+    W the weight gradients (split_backward.py); its activations are kept until W.
     An event lasts until the rank has the result in hand (a late wake-up counts as busy).
     Event times are seconds of time.perf_counter(), a clock all processes of one
     machine share, so the ranks' timelines line up. Messages go through `group`
@@ -84,7 +87,8 @@ def execute(
     device = next(next(iter(modules.values())).parameters()).device
     group = group if group is not None else message_group()
     wire = device if group is None else torch.device("cpu")  # a gloo side group carries CPU tensors
-    saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (stage, mb) -> (input, output)
+    split = {(a.stage, a.microbatch) for a in actions if a.kind == "W"}  # backwards whose W runs separately
+    saved: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> (input, output, layers), then what W needs
     peak: dict[int, int] = {}
     losses: dict[int, float] = {}
     events: list[Event] = []
@@ -107,23 +111,32 @@ def execute(
         # 1. wait for the data this action needs: time spent here is the bubble
         if kind == "F":
             x = inputs[mb].to(device) if stage == 0 else receive("F", mb, stage - 1).requires_grad_()
-        else:
+        elif kind == "B":
             grad = None if last else receive("B", mb, stage + 1)
         # 2. compute
         start = time.perf_counter()
         if kind == "F":
-            out = modules[stage](x)
+            with recording_layer_outputs(modules[stage]) as layers:  # where a split backward's W starts
+                out = modules[stage](x)
             if last:
                 out = loss_fn(out, targets[mb].to(device))
                 losses[mb] = out.item()
                 out = out / m  # mean over micro-batches = mean over the batch
-            saved[(stage, mb)] = (x, out)  # kept until this micro-batch's backward
+            saved[(stage, mb)] = (x, out, layers)  # kept until this micro-batch's backward (its W if split)
             peak[stage] = max(peak.get(stage, 0), sum(1 for s, _ in saved if s == stage))
             result, to_stage = (None if last else out.detach()), stage + 1
-        else:
-            x, out = saved.pop((stage, mb))
+        elif kind == "B" and (stage, mb) not in split:
+            x, out, _ = saved.pop((stage, mb))
             out.backward(grad)  # grad is None for the loss
             result, to_stage = (x.grad if stage > 0 else None), stage - 1
+        elif kind == "B":  # the input gradient only: the layers and the gradients at their outputs wait for W
+            x, out, layers = saved[(stage, mb)]
+            result, output_grads = backward_input(x, out, grad, layers)
+            saved[(stage, mb)] = (layers, output_grads)
+            to_stage = stage - 1
+        else:  # W: the weight gradients, which no other rank waits for
+            backward_weight(*saved.pop((stage, mb)))
+            result = None
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # time the kernels, not their launch
         if min_seconds:  # the result is only "ready" once the emulated compute time has passed

@@ -1,7 +1,9 @@
 """Pipeline schedules on paper: for every rank, the ordered list of actions it takes.
 
 An action is ``Action("F" or "B", microbatch, stage)``. A schedule is, for every rank, an explicit
-list of them; GPipe, 1F1B and interleaved 1F1B differ only in the order of the lists.
+list of them; GPipe, 1F1B and interleaved 1F1B differ only in the order of the lists. Zero-bubble
+schedules split each backward in two: "B" then computes only the input gradient, and a later "W" the
+weight gradient.
 """
 
 from __future__ import annotations
@@ -10,10 +12,11 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 SCHEDULES = ("GPipe", "1F1B", "interleaved 1F1B")
+ZERO_BUBBLE = "ZB-H1"  # schedule_actions knows it too; kept out of SCHEDULES, the lesson's first three
 
 
 class Action(NamedTuple):
-    kind: str  # "F" forward or "B" backward
+    kind: str  # "F" forward, "B" backward ("W": weight gradient, when the backward is split)
     microbatch: int
     stage: int
 
@@ -72,15 +75,34 @@ def interleaved_actions(rank: int, n_ranks: int, n_virtual: int, n_microbatches:
     return actions
 
 
+def zero_bubble_actions(stage: int, n_stages: int, n_microbatches: int) -> list[Action]:
+    """ZB-H1 (Qi et al. 2023): 1F1B with each backward split into B (input gradient) and W (weight gradient).
+
+    Every B keeps its place in 1F1B's order: the previous stage waits for its result.
+    W waits for nobody, so stage s postpones each one by s micro-batches and runs the
+    last s at the end, in the drain where 1F1B's stage s sat idle. Activations are kept
+    until W: every stage holds at most min(p, m), 1F1B's peak (on stage 0).
+    """
+    delay = min(stage, n_microbatches)
+    actions = []
+    for action in schedule_actions("1F1B", n_stages, n_microbatches)[stage]:
+        actions.append(action)
+        if action.kind == "B" and action.microbatch >= delay:
+            actions.append(Action("W", action.microbatch - delay, stage))
+    return actions + [Action("W", mb, stage) for mb in range(n_microbatches - delay, n_microbatches)]
+
+
 def schedule_actions(name: str, n_ranks: int, n_microbatches: int, n_virtual: int = 2) -> dict[int, list[Action]]:
-    """Every rank's action list for the schedule called `name` (one of SCHEDULES)."""
+    """Every rank's action list for the schedule called `name` (one of SCHEDULES, or ZERO_BUBBLE)."""
     if name == "GPipe":
         return {r: gpipe_actions(r, n_ranks, n_microbatches) for r in range(n_ranks)}
     if name == "1F1B":
         return {r: _one_f_one_b_actions(r, n_ranks, n_microbatches) for r in range(n_ranks)}
     if name == "interleaved 1F1B":
         return {r: interleaved_actions(r, n_ranks, n_virtual, n_microbatches) for r in range(n_ranks)}
-    raise ValueError(f"unknown schedule {name!r}; choose from {SCHEDULES}")
+    if name == ZERO_BUBBLE:
+        return {r: zero_bubble_actions(r, n_ranks, n_microbatches) for r in range(n_ranks)}
+    raise ValueError(f"unknown schedule {name!r}; choose from {(*SCHEDULES, ZERO_BUBBLE)}")
 
 
 def ideal_bubble(n_ranks: int, n_microbatches: int, n_virtual: int = 1) -> float:
@@ -88,13 +110,26 @@ def ideal_bubble(n_ranks: int, n_microbatches: int, n_virtual: int = 1) -> float
     return (n_ranks - 1) / (n_virtual * n_microbatches + n_ranks - 1)
 
 
+def zero_bubble_ideal(n_ranks: int, n_microbatches: int, n_virtual: int = 1) -> float:
+    """ZB-H1's idle fraction with t_F = t_B = t_W (Qi et al.): (p - 1) / (3vm + p - 1), for m >= p.
+
+    1F1B idles (p - 1)(t_F + t_B + t_W) per rank; ZB-H1 fills all but (p - 1)(t_F + t_B - t_W) of it with W.
+    With v stages per rank (torch's interleaved and V-shaped zero-bubble schedules) the ramp is v times shorter.
+    """
+    p, m = n_ranks, n_microbatches
+    if m < p:
+        raise ValueError(f"ZB-H1's formula needs m >= p (here m={m}, p={p}): with fewer there is no steady state")
+    return (p - 1) / (3 * n_virtual * m + p - 1)
+
+
 def validate(actions: dict[int, list[Action]], n_stages: int, n_microbatches: int) -> None:
-    """Every forward and backward of every (stage, micro-batch) exactly once, on the rank holding the stage."""
+    """Every forward and backward (and W, if any) of every (stage, micro-batch) exactly once, on its stage's rank."""
     n_ranks = len(actions)
+    kinds = "FBW" if any(a.kind == "W" for todo in actions.values() for a in todo) else "FB"
     seen: dict[Action, int] = {}
     for rank, todo in actions.items():
         for a in todo:
-            if a.kind not in ("F", "B") or not 0 <= a.microbatch < n_microbatches or not 0 <= a.stage < n_stages:
+            if a.kind not in kinds or not 0 <= a.microbatch < n_microbatches or not 0 <= a.stage < n_stages:
                 raise ValueError(f"rank {rank}: {a!r} is not an action of this pipeline")
             if a.stage % n_ranks != rank:
                 raise ValueError(f"rank {rank}: {a!r} belongs to stage {a.stage}, held by rank {a.stage % n_ranks}")
@@ -103,16 +138,21 @@ def validate(actions: dict[int, list[Action]], n_stages: int, n_microbatches: in
             seen[a] = rank
     for stage in range(n_stages):
         for mb in range(n_microbatches):
-            for kind in "FB":
+            for kind in kinds:
                 if Action(kind, mb, stage) not in seen:
                     raise ValueError(f"rank {stage % n_ranks}: {Action(kind, mb, stage)!r} is missing")
 
 
 def peak_in_flight(actions: Sequence[Action]) -> dict[int, int]:
-    """Per stage, the most micro-batches whose forward ran and whose backward has not (activations kept)."""
+    """Per stage, the most micro-batches whose forward ran and whose backward has not (activations kept).
+
+    With a split backward, a micro-batch's activations are kept until its W (its weight gradient needs them).
+    """
+    deferred = {(a.stage, a.microbatch) for a in actions if a.kind == "W"}
     held: dict[int, int] = {}
     peak: dict[int, int] = {}
     for a in actions:
-        held[a.stage] = held.get(a.stage, 0) + (1 if a.kind == "F" else -1)
+        release = "W" if (a.stage, a.microbatch) in deferred else "B"
+        held[a.stage] = held.get(a.stage, 0) + (1 if a.kind == "F" else -1 if a.kind == release else 0)
         peak[a.stage] = max(peak.get(a.stage, 0), held[a.stage])
     return peak

@@ -27,6 +27,8 @@ class Deadlock(RuntimeError):
 
 def _dependency(action: Action, n_stages: int) -> Action | None:
     """The action whose result `action` needs (its input activation or output gradient)."""
+    if action.kind == "W":
+        return Action("B", action.microbatch, action.stage)  # the gradients B left at the layers' outputs
     if action.kind == "F":
         return Action("F", action.microbatch, action.stage - 1) if action.stage > 0 else None
     if action.stage == n_stages - 1:
@@ -40,18 +42,26 @@ def simulate(
     *,
     t_forward: float = 1.0,
     t_backward: float = 2.0,
+    t_weight: float = 1.0,
     latency: float = 0.0,
 ) -> list[Event]:
     """Ideal timeline: each rank runs its list in order, as soon as the data an action needs exists.
 
     `t_forward` / `t_backward` are the times of a whole rank's share of the model;
-    with v stages per rank each action takes 1/v of it. Raises :class:`Deadlock`
+    with v stages per rank each action takes 1/v of it. A backward split in two (a B
+    whose W is a separate action) gives `t_weight` to W and the rest to B (the defaults
+    give t_F = t_B = t_W = 1, as in the zero-bubble paper's analysis). Raises :class:`Deadlock`
     (naming the waiting ranks) instead of hanging when the lists cannot finish.
     """
     n_ranks = len(actions)
     n_stages = n_stages or n_ranks
     per_rank = n_stages // n_ranks
-    duration = {"F": t_forward / per_rank, "B": t_backward / per_rank}
+    deferred = {(a.stage, a.microbatch) for todo in actions.values() for a in todo if a.kind == "W"}
+
+    def duration(a: Action) -> float:  # a B whose W runs separately computes only the input gradient
+        split = a.kind == "B" and (a.stage, a.microbatch) in deferred
+        return {"F": t_forward, "B": t_backward - t_weight if split else t_backward, "W": t_weight}[a.kind] / per_rank
+
     done: dict[Action, float] = {}  # action -> end time
     position = {r: 0 for r in actions}
     free_at = {r: 0.0 for r in actions}
@@ -67,7 +77,7 @@ def simulate(
                     break
                 ready = 0.0 if need is None else done[need] + (latency if need.stage % n_ranks != rank else 0.0)
                 start = max(free_at[rank], ready)
-                free_at[rank] = done[action] = start + duration[action.kind]
+                free_at[rank] = done[action] = start + duration(action)
                 events.append(Event(rank, action, start, free_at[rank]))
                 position[rank] += 1
                 progress = True
