@@ -17,7 +17,7 @@ from course_lib import checkpoint as ck
 from course_lib.exercises import check
 from course_lib.launch import launch
 from course_lib.models import MLP
-from tests.rank_programs import assert_checker, run
+from tests.rank_programs import assert_checker, run, run_source
 from tests.rank_programs import checkpoint as rank_programs
 
 QUIET = dict(write=lambda text, stream: None)
@@ -459,3 +459,87 @@ def test_app_state_keeps_a_gpu_ranks_generator_and_loads_across_devices(tmp_path
         else:
             ck.load_sharded(tmp_path / directory / "step_2", {"app": app})
         assert app.step == 2
+
+
+# ---- out to Hugging Face safetensors and back (notebook 06, section 5)
+
+
+def hf_round_trip(rank, world_size, root, seed):  # sent to the ranks by run_source: imports inside
+    import warnings
+
+    from course_lib import checkpoint as ck
+    from course_lib.models import MLP
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = ck.sharded_mlp(seed=seed)
+        written = ck.save_safetensors(f"{root}/hf", model)
+        again = ck.sharded_mlp(seed=seed + 1)  # other weights, the same layout
+        ck.load_safetensors(f"{root}/hf", again)
+        gathered = ck.gathered_weights(again)
+    differing = ck.differing(gathered, MLP(seed=seed).state_dict()) if rank == 0 else None
+    return {"written": str(written), "differing": differing, "warnings": [str(w.message) for w in caught]}
+
+
+def hf_start_elsewhere(rank, world_size, root, seed):
+    import warnings
+
+    import torch
+
+    from course_lib import checkpoint as ck
+    from course_lib.models import MLP
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        weights = MLP(seed=seed).state_dict() if rank == 0 else {}
+        loaded = ck.sharded_mlp(seed=seed + 1)
+        ck.load_safetensors(f"{root}/hf", loaded)
+        models = {"loaded": loaded, "seed": ck.from_seed_checkpoint(f"{root}/hf"), "broadcast": ck.from_rank0(weights)}
+        gathered = {name: ck.gathered_weights(model) for name, model in models.items()}
+    return {
+        "differing": {name: ck.differing(g, weights) for name, g in gathered.items()} if rank == 0 else None,
+        "shards": {name: ck.bytes_held(model.state_dict()) for name, model in models.items()},
+        "whole model": ck.bytes_held(weights),
+        "untouched": all(type(t) is torch.Tensor for t in weights.values()),  # from_rank0 copied rank 0's dict
+        "warnings": [str(w.message) for w in caught],
+    }
+
+
+def test_safetensors_round_trip_and_into_another_world_size(tmp_path):
+    from safetensors.torch import load_file
+
+    saved = run_source(hf_round_trip, 2, root=str(tmp_path), seed=3)
+    assert [r["warnings"] for r in saved] == [[], []]
+    assert saved[0]["differing"] == []  # saved on 2 ranks, loaded back on 2: exact
+    consolidated = tmp_path / "hf" / ck.CONSOLIDATED
+    assert saved[0]["written"] == saved[1]["written"] == str(consolidated)
+    # one file any program reads: 8 bytes of header length, the JSON header, the weights' raw bytes
+    full = MLP(seed=3).state_dict()
+    tensors = load_file(consolidated)
+    assert sorted(tensors) == sorted(full) and all(torch.equal(tensors[k], v) for k, v in full.items())
+    header = int.from_bytes(consolidated.read_bytes()[:8], "little")
+    assert consolidated.stat().st_size == 8 + header + sum(t.numel() * 4 for t in full.values())
+    assert [n for n, _ in ck.files_of(tmp_path / "hf")] == [
+        ck.CONSOLIDATED,
+        "model.safetensors.index.json",
+        "sharded/shard-00001-model-00001-of-00001.safetensors",
+        "sharded/shard-00002-model-00001-of-00001.safetensors",
+    ]
+
+    started = run_source(hf_start_elsewhere, 3, root=str(tmp_path), seed=3)
+    assert [r["warnings"] for r in started] == [[], [], []]
+    assert started[0]["differing"] == {"loaded": [], "seed": [], "broadcast": []}  # 2 -> 3 ranks: exact
+    assert all(r["untouched"] for r in started)
+    whole = 4 * sum(t.numel() for t in full.values())
+    assert [r["whole model"] for r in started] == [whole, 0, 0]  # broadcast: rank 0 holds everything
+    for name in ("loaded", "seed", "broadcast"):  # and each rank ends with its torch.chunk rows of every weight
+        expected = [
+            sum(
+                (stop - start) * ck.row_bytes(t.shape, t.dtype)
+                for t in full.values()
+                for start, stop in [ck.shard_rows(len(t), 3, r)]
+            )
+            for r in range(3)
+        ]
+        assert [r["shards"][name] for r in started] == expected, name
+    assert sum(expected) == whole

@@ -13,6 +13,8 @@ Three ways to save an FSDP2-sharded training state, from the simplest to what la
     figures     the elastic run's loss curve (kernel-only)
     elastic     two torchrun agents join and leave one c10d rendezvous (run_elastic, kernel side);
                 elastic_train is the rank side: resume at any world size, pause for membership changes
+    hf          out to Hugging Face safetensors through DCP (one consolidated file) and back into any layout;
+                a seed checkpoint (meta-device model, then load) next to broadcast from rank 0
     checkers    the exercises: verify a checkpoint together (each rank its share); agree on the resume step
 """
 
@@ -22,6 +24,16 @@ from course_lib.checkpoint.dcp import AppState, AsyncCheckpointer, dcp_load, dcp
 from course_lib.checkpoint.elastic import ElasticRun, Segment, agent_messages, run_elastic, segments
 from course_lib.checkpoint.elastic_train import train_elastic, wait_for_membership_change
 from course_lib.checkpoint.figures import plot_elastic
+from course_lib.checkpoint.hf import (
+    CONSOLIDATED,
+    bytes_held,
+    empty_sharded_mlp,
+    from_rank0,
+    from_seed_checkpoint,
+    gathered_weights,
+    load_safetensors,
+    save_safetensors,
+)
 from course_lib.checkpoint.integrity import files_of, latest_complete, verify
 from course_lib.checkpoint.raw_rows import bytes_read_by_process, row_bytes
 from course_lib.checkpoint.sharded import Loaded, flat_tensors, load_sharded, read_plan, save_sharded, shard_rows
@@ -39,6 +51,7 @@ from course_lib.checkpoint.train import (
 )
 
 __all__ = [
+    "CONSOLIDATED",
     "FORMAT",
     "METADATA",
     "AppState",
@@ -49,17 +62,23 @@ __all__ = [
     "Segment",
     "agent_messages",
     "batch_for_step",
+    "bytes_held",
     "bytes_read_by_process",
     "check_agreed_resume_step",
     "check_verify_together",
     "dcp_load",
     "dcp_save",
     "differing",
+    "empty_sharded_mlp",
     "files_of",
     "flat_tensors",
+    "from_rank0",
+    "from_seed_checkpoint",
     "full_state",
+    "gathered_weights",
     "latest_complete",
     "load_full_snapshot",
+    "load_safetensors",
     "load_sharded",
     "local_state",
     "make_optimizer",
@@ -68,6 +87,7 @@ __all__ = [
     "row_bytes",
     "run_elastic",
     "save_full_snapshot",
+    "save_safetensors",
     "save_sharded",
     "segments",
     "shard_rows",
