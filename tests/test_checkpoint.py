@@ -382,7 +382,10 @@ def test_elastic_run_grows_and_shrinks_and_its_losses_continue(tmp_path):
 
 
 def test_elastic_run_ends_every_process_at_its_timeout(tmp_path):
-    with pytest.raises(TimeoutError, match="gave up waiting for node 0 alone to pause at step 4") as caught:
+    """6 s cannot hold the whole run. The phase it stops in depends on the machine's speed (node 0's first pause under
+    load, the two nodes' pause on an idle machine); in any of them both nodes' processes end."""
+    phases = r"(node 0 alone to pause|both nodes to pause) at step \d+|node 0 to finish"
+    with pytest.raises(TimeoutError, match=rf"^gave up waiting for ({phases}): every process was ended") as caught:
         ck.run_elastic(tmp_path / "elastic", timeout_s=6)
     assert caught.value.__notes__[-1] == "processes left behind after ending both nodes: []"
 
