@@ -490,6 +490,7 @@ def hf_start_elsewhere(rank, world_size, root, seed):
     import torch
 
     from course_lib import checkpoint as ck
+    from course_lib import compare
     from course_lib.models import MLP
 
     with warnings.catch_warnings(record=True) as caught:
@@ -501,8 +502,8 @@ def hf_start_elsewhere(rank, world_size, root, seed):
         gathered = {name: ck.gathered_weights(model) for name, model in models.items()}
     return {
         "differing": {name: ck.differing(g, weights) for name, g in gathered.items()} if rank == 0 else None,
-        "shards": {name: ck.bytes_held(model.state_dict()) for name, model in models.items()},
-        "whole model": ck.bytes_held(weights),
+        "shards": {name: compare.bytes_per_rank(model.state_dict().values()) for name, model in models.items()},
+        "whole model": compare.bytes_per_rank(weights.values()),
         "untouched": all(type(t) is torch.Tensor for t in weights.values()),  # from_rank0 copied rank 0's dict
         "warnings": [str(w.message) for w in caught],
     }

@@ -26,7 +26,6 @@ from course_lib.checkpoint.elastic_train import train_elastic, wait_for_membersh
 from course_lib.checkpoint.figures import plot_elastic
 from course_lib.checkpoint.hf import (
     CONSOLIDATED,
-    bytes_held,
     empty_sharded_mlp,
     from_rank0,
     from_seed_checkpoint,
@@ -62,7 +61,6 @@ __all__ = [
     "Segment",
     "agent_messages",
     "batch_for_step",
-    "bytes_held",
     "bytes_read_by_process",
     "check_agreed_resume_step",
     "check_verify_together",

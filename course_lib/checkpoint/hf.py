@@ -81,13 +81,6 @@ def from_rank0(full_state: dict[str, torch.Tensor], **mlp_kwargs: Any) -> torch.
     return model
 
 
-def bytes_held(tensors: dict[str, torch.Tensor]) -> int:
-    """Bytes of storage these tensors hold on this rank: a DTensor counts its local shard only."""
-    from course_lib.compare import local_tensor
-
-    return sum(local_tensor(t).numel() * t.element_size() for t in tensors.values())
-
-
 def gathered_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's weights on rank 0, on the CPU ({} on the other ranks): what a comparison needs."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

@@ -187,6 +187,7 @@ def plan(
         raise ValueError(f"tp={tp} spans nodes: keep tensor parallelism inside a node (tp <= {cluster.gpus_per_node})")
     if m.layers % pp:
         raise ValueError(f"{m.layers} layers do not split into pp={pp} equal stages")
+    reshard_after_backward, defer_grad_sync = _pipelining_choices(pp, reshard_after_backward, defer_grad_sync)
     n_mb = microbatches(global_batch, dp, m.micro_batch)
     calls = collectives_per_step(
         m,
@@ -199,7 +200,6 @@ def plan(
         reshard_after_backward=reshard_after_backward,
         defer_grad_sync=defer_grad_sync,
     )
-    reshard_after_backward, defer_grad_sync = _pipelining_choices(pp, reshard_after_backward, defer_grad_sync)
     params_per_gpu = m.n_params / (tp * pp)
     state = zero_bytes_per_gpu(params_per_gpu, dp, zero_stage)
     kept = 0.0  # what the choices keep whole between micro-batches: gathered params, unsharded gradients

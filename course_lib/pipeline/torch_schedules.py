@@ -17,7 +17,7 @@ from torch import nn
 from course_lib.launch.runtime import fake_rank
 from course_lib.pipeline.schedules import Action
 from course_lib.pipeline.stages import course_model, split_into_stages
-from course_lib.pipeline.train import loss_fn
+from course_lib.pipeline.train import build_schedule, run_torch_step
 
 TORCH_SCHEDULES = ("ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")  # the model goes down the ranks and back up
@@ -26,21 +26,6 @@ V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")  # the model goes down
 def stages_of_rank(schedule: str, rank: int, n_ranks: int) -> list[int]:
     """The two stages rank `rank` holds: looped (r and r + p) or, for V-shaped schedules, r and 2p - 1 - r."""
     return [rank, 2 * n_ranks - 1 - rank] if schedule in V_SHAPED else [rank, rank + n_ranks]
-
-
-def build_schedule(
-    schedule: str,
-    modules: Mapping[int, nn.Module],
-    n_ranks: int,
-    n_microbatches: int,
-    device: torch.device,
-    group: dist.ProcessGroup | None = None,
-) -> Any:
-    """torch's schedule object over this rank's {stage: module} (2 * n_ranks stages in all)."""
-    from torch.distributed.pipelining import PipelineStage, schedules
-
-    stages = [PipelineStage(module, s, 2 * n_ranks, device, group=group) for s, module in sorted(modules.items())]
-    return getattr(schedules, schedule)(stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
 
 
 def course_actions(pipeline_order: Mapping[int, Sequence[Any]]) -> dict[int, list[Action]]:
@@ -68,7 +53,7 @@ def torch_schedule_order(schedule: str, n_ranks: int, n_microbatches: int) -> di
     parts = split_into_stages(course_model(), 2 * n_ranks)
     modules = {s: parts[s] for s in stages_of_rank(schedule, 0, n_ranks)}
     with fake_rank(0, n_ranks):  # every rank computes every rank's list: rank 0's copy will do
-        built = build_schedule(schedule, modules, n_ranks, n_microbatches, torch.device("cpu"))
+        built = build_schedule(schedule, modules, 2 * n_ranks, n_microbatches, torch.device("cpu"))
     return course_actions(built.pipeline_order)
 
 
@@ -87,9 +72,5 @@ def torch_schedule_step(
     parts = split_into_stages(model if model is not None else course_model(), 2 * p)
     modules = {s: parts[s] for s in stages_of_rank(schedule, rank, p)}
     device = next(parts[0].parameters()).device
-    runner = build_schedule(schedule, modules, p, n_microbatches, device, group)
-    losses: list[torch.Tensor] = []
-    holds_last = 2 * p - 1 in modules
-    args = (x,) if 0 in modules else ()
-    runner.step(*args, target=y if holds_last else None, losses=losses if holds_last else None)
-    return [float(loss.detach()) for loss in losses], modules, course_actions(runner.pipeline_order)
+    runner = build_schedule(schedule, modules, 2 * p, n_microbatches, device, group)
+    return run_torch_step(runner, modules, 2 * p, x, y), modules, course_actions(runner.pipeline_order)

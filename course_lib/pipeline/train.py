@@ -6,6 +6,7 @@ The reference is single-process training on the whole batch; gradients are compa
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -78,6 +79,38 @@ def pipeline_step(
     return record, modules
 
 
+TORCH_NAMES = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B", "interleaved 1F1B": "ScheduleInterleaved1F1B"}
+
+
+def build_schedule(
+    schedule: str,
+    modules: Mapping[int, nn.Module],
+    n_stages: int,
+    n_microbatches: int,
+    device: torch.device,
+    group: dist.ProcessGroup | None = None,
+) -> Any:
+    """torch's schedule class called `schedule` (e.g. "Schedule1F1B") over this rank's {stage: module}."""
+    from torch.distributed.pipelining import PipelineStage, schedules
+
+    stages = [PipelineStage(module, s, n_stages, device, group=group) for s, module in sorted(modules.items())]
+    kind = getattr(schedules, schedule)
+    one_stage_per_rank = issubclass(kind, schedules.PipelineScheduleSingle)
+    return kind(stages[0] if one_stage_per_rank else stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
+
+
+def run_torch_step(
+    runner: Any, modules: Mapping[int, nn.Module], n_stages: int, x: torch.Tensor, y: torch.Tensor
+) -> list[float]:
+    """One step of a torch schedule on this rank: the batch goes in where stage 0 lives, the targets where the last
+    stage lives, which also gets the micro-batch losses back (the others get [])."""
+    losses: list[torch.Tensor] = []
+    holds_last = n_stages - 1 in modules
+    args = (x,) if 0 in modules else ()
+    runner.step(*args, target=y if holds_last else None, losses=losses if holds_last else None)
+    return [float(loss.detach()) for loss in losses]
+
+
 def torch_pipeline_step(
     schedule: str,
     n_microbatches: int,
@@ -89,25 +122,9 @@ def torch_pipeline_step(
     n_virtual: int = 2,
 ) -> tuple[list[float], dict[int, nn.Sequential]]:
     """The same step with torch.distributed.pipelining: (micro-batch losses on the last rank, stage modules)."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
-
     rank, p = dist.get_rank(group), dist.get_world_size(group)
     v = n_virtual if schedule == "interleaved 1F1B" else 1
     modules = local_stages(model if model is not None else course_model(), rank, p, v)
     device = next(next(iter(modules.values())).parameters()).device
-    stages = [PipelineStage(module, s, p * v, device, group=group) for s, module in modules.items()]
-    if schedule == "interleaved 1F1B":
-        runner: PipelineScheduleMulti | PipelineScheduleSingle = ScheduleInterleaved1F1B(
-            stages,  # type: ignore[arg-type]  # a list of PipelineStage is a list of _PipelineStageBase
-            n_microbatches=n_microbatches,
-            loss_fn=loss_fn,
-        )
-    else:
-        kind = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[schedule]
-        runner = kind(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
-    losses: list[torch.Tensor] = []
-    holds_first, holds_last = 0 in modules, p * v - 1 in modules
-    args = (x,) if holds_first else ()
-    runner.step(*args, target=y if holds_last else None, losses=losses if holds_last else None)
-    return [float(loss.detach()) for loss in losses], modules
+    runner = build_schedule(TORCH_NAMES[schedule], modules, p * v, n_microbatches, device, group)
+    return run_torch_step(runner, modules, p * v, x, y), modules
