@@ -16,7 +16,7 @@ import torch
 from course_lib import fsdp
 from course_lib.exercises import check
 from tests.rank_programs import fsdp as rank_programs
-from tests.rank_programs import run
+from tests.rank_programs import run, run_source
 
 
 @pytest.mark.parametrize("nproc", [2, 3, 4])
@@ -124,3 +124,63 @@ def test_shard_layers_then_root_gives_every_unit_a_mesh_on_the_ranks_device(monk
     meshes.clear()
     models.shard_layers_then_root(models.MLP(n_layers=2), mesh="given")
     assert meshes == ["given"] * 4
+
+
+# ------------------------------------------------------------------------------------------------
+# torch.compile with FSDP2 (section 8)
+# ------------------------------------------------------------------------------------------------
+
+
+def compile_orders(rank, world_size):
+    """Each order with the recording backend (no Inductor: seconds, and the same kernels as eager), 3 steps next to
+    the same sharding uncompiled: the graphs' parameter bytes, the graph breaks, the losses of both."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from course_lib import ddp, fsdp, models
+    from course_lib.gpt.model import GPT, GPTConfig, loss_fn
+
+    config = GPTConfig(vocab=16, d_model=48, n_heads=4, n_layers=3, seq=16)
+    gpt = GPT(config)
+    parts = {"embeddings": gpt.embed, "block": gpt.blocks[0], "head": gpt.head}
+    result = {"part bytes": {name: models.param_bytes(m) for name, m in parts.items()}}
+    tokens = torch.randint(config.vocab, (4, config.seq + 1), generator=torch.Generator().manual_seed(rank))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    for name, order in fsdp.COMPILE_ORDERS.items():
+        graphs: list[int] = []
+        breaks = sum(counters["graph_break"].values())
+        models_ = {"eager": order(GPT(config), None), "compiled": order(GPT(config), ddp.recording_backend(graphs))}
+        losses: dict[str, list[float]] = {kind: [] for kind in models_}
+        for kind, model in models_.items():
+            optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+            for _ in range(3):
+                loss = loss_fn(model(x), y)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                losses[kind].append(loss.item())
+        result[name] = {
+            "graphs": graphs,
+            "breaks": sum(counters["graph_break"].values()) - breaks,
+            "losses": losses,
+            "sharded": all(type(p).__name__ == "DTensor" for p in models_["compiled"].parameters()),
+        }
+        torch._dynamo.reset()
+    return result
+
+
+def test_compiled_per_block_reuses_one_graph_and_whole_model_breaks_at_fsdp_hooks():
+    for result in run_source(compile_orders, 2):
+        part = result["part bytes"]
+        assert len(set(part.values())) == 3, part  # each graph is named by its parameter bytes
+        per_block, whole = (result[name] for name in fsdp.COMPILE_ORDERS)
+        # torchtitan's order: one graph serves the 3 identical blocks, compiled once over 3 steps; no break
+        assert per_block["graphs"] == [part["block"]] and per_block["breaks"] == 0, per_block
+        # the whole model: Dynamo breaks at the first block's FSDP2 hook; the blocks and the rest get graphs of
+        # their own, the block's again shared
+        assert whole["graphs"] == [part["embeddings"], part["block"], part["head"]], whole
+        assert whole["breaks"] == 1, whole
+        for order in (per_block, whole):
+            assert order["sharded"], order
+            assert order["losses"]["compiled"] == order["losses"]["eager"], order  # the same kernels, no Inductor
+            assert order["losses"]["compiled"][0] > order["losses"]["compiled"][-1], order  # it trains

@@ -23,7 +23,7 @@ from course_lib.ddp.comm_hooks import (
     timed_allreduce_hook,
     train_with_hook,
 )
-from course_lib.ddp.compiled import compiled_against_eager, graphs_and_buckets, recording_backend
+from course_lib.ddp.compiled import compile_then_ddp, compiled_against_eager, graphs_and_buckets, recording_backend
 from course_lib.ddp.figures import (
     ddp_bytes_per_rank,
     low_precision_mean,
@@ -53,6 +53,7 @@ __all__ = [
     "check_average_gradient",
     "check_gradient_sync",
     "check_mean_allreduce_hook",
+    "compile_then_ddp",
     "compiled_against_eager",
     "ddp_bytes_per_rank",
     "global_loader",

@@ -5,6 +5,8 @@ each graph's backward. One compiled backward would produce every gradient at its
 overlap, so inside DDP Dynamo's DDPOptimizer (`torch._dynamo.config.optimize_ddp`) first cuts the forward where
 DDP's buckets end: the backward is then one graph per bucket, and each bucket's all-reduce starts when its graph
 ends, as in eager DDP.
+
+`recording_backend` and `compiled_against_eager` serve FSDP2 too (notebook 03, section 8: course_lib.fsdp.compiled).
 """
 
 from __future__ import annotations
@@ -58,22 +60,38 @@ def graphs_and_buckets(
     return {"graphs": graphs[::-1], "buckets": bucket_bytes}
 
 
+def compile_then_ddp(model: nn.Module, backend: Callable[..., Any] | None) -> nn.Module:
+    """`DDP(torch.compile(model, backend=backend))`, or `DDP(model)` when `backend` is None (eager)."""
+    return DDP(model if backend is None else torch.compile(model, backend=backend))
+
+
 def compiled_against_eager(
-    make_model: Callable[[], nn.Module], batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float = 1e-2
+    make_model: Callable[[], nn.Module],
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    lr: float = 1e-2,
+    parallelize: Callable[[nn.Module, Callable[..., Any] | None], nn.Module] = compile_then_ddp,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = nn.functional.mse_loss,
 ) -> dict[str, Any]:
-    """The same DDP training eager and as `DDP(torch.compile(model))` (Inductor), from the same weights on the same
-    batches, the two taking turns: this rank's loss at each step, the seconds of each one's first step, the graphs
-    compiled by the end of the first step and of the last (more would be a recompile), then the fastest step time
-    of each over 10 more steps on the last batch (`seconds_in_turns`)."""
+    """The same data-parallel training eager and compiled by Inductor, from the same weights on the same batches, the
+    two taking turns. `parallelize(model, backend)` wraps a fresh model, compiled with `backend` (None: eager); the
+    default is `DDP(torch.compile(model))`.
+
+    Returns this rank's loss at each step, the seconds of each one's first step, the graphs compiled by the end of
+    the first step and of the last (more would be a recompile), the parameter bytes of each graph in the order
+    compiled, the graph breaks Dynamo counted, then the fastest step time of each over 10 more steps on the last
+    batch (`seconds_in_turns`)."""
+    from torch._dynamo.utils import counters
+
+    breaks_before = sum(counters["graph_break"].values())
     graphs: list[int] = []
     models = {
-        "eager": DDP(make_model()),
-        "compiled": DDP(torch.compile(make_model(), backend=recording_backend(graphs, inductor=True))),
+        "eager": parallelize(make_model(), None),
+        "compiled": parallelize(make_model(), recording_backend(graphs, inductor=True)),
     }
     optimizers = {name: torch.optim.SGD(model.parameters(), lr=lr) for name, model in models.items()}
 
     def step(name: str, x: torch.Tensor, y: torch.Tensor) -> float:
-        loss = nn.functional.mse_loss(models[name](x), y)
+        loss = loss_fn(models[name](x), y)
         loss.backward()
         optimizers[name].step()
         optimizers[name].zero_grad(set_to_none=True)
@@ -88,6 +106,7 @@ def compiled_against_eager(
             first_step_s.setdefault(name, time.perf_counter() - start)
         if len(losses["compiled"]) == 1:
             graphs_after_first_step = len(graphs)
+    graph_breaks = sum(counters["graph_break"].values()) - breaks_before
     x, y = batches[-1]
     steps: dict[str, Callable[[], object]] = {name: functools.partial(step, name, x, y) for name in models}
     seconds = seconds_in_turns(steps, repeats=10, warmup=1)
@@ -97,4 +116,6 @@ def compiled_against_eager(
         "first step s": first_step_s,
         "step s": seconds,
         "graphs": (graphs_after_first_step, len(graphs)),
+        "graph bytes": graphs,
+        "graph breaks": graph_breaks,
     }
