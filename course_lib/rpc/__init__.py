@@ -7,6 +7,7 @@
 - :mod:`.distributed_autograd`: a forward across three workers, backward and step on every owner;
 - :mod:`.latency`: round trips timed on a worker, the alpha-beta fit;
 - :mod:`.checkers`: the exercises' checkers (a counter behind an RRef; a rendezvous on its owner).
+- :mod:`.monarch_actors`: section 9, a single controller with Monarch (imported on its own: it loads monarch).
 """
 
 from course_lib.rpc.agent import SERVER, start, worker_name
