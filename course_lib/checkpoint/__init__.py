@@ -13,6 +13,9 @@ Three ways to save an FSDP2-sharded training state, from the simplest to what la
     figures     the elastic run's loss curve (kernel-only)
     elastic     two torchrun agents join and leave one c10d rendezvous (run_elastic, kernel side);
                 elastic_train is the rank side: resume at any world size, pause for membership changes
+    fault_tolerance  torchft: replica groups with a lighthouse keep training when one dies (train_replica)
+    local_sgd   LocalSGD and DiLoCo against DDP with torchft, the bytes of every all-reduce counted (train_synced)
+    replicas    the kernel side of both: one torchrun run per replica, a lighthouse (run_torchft, compare_sync)
     hf          out to Hugging Face safetensors through DCP (one consolidated file) and back into any layout;
                 a seed checkpoint (meta-device model, then load) next to broadcast from rank 0
     checkers    the exercises: verify a checkpoint together (each rank its share); agree on the resume step
@@ -23,6 +26,7 @@ from course_lib.checkpoint.checkers import check_agreed_resume_step, check_verif
 from course_lib.checkpoint.dcp import AppState, AsyncCheckpointer, dcp_load, dcp_save
 from course_lib.checkpoint.elastic import ElasticRun, Segment, agent_messages, run_elastic, segments
 from course_lib.checkpoint.elastic_train import train_elastic, wait_for_membership_change
+from course_lib.checkpoint.fault_tolerance import reference_losses, step_losses, train_replica
 from course_lib.checkpoint.figures import plot_elastic
 from course_lib.checkpoint.hf import (
     CONSOLIDATED,
@@ -34,7 +38,9 @@ from course_lib.checkpoint.hf import (
     save_safetensors,
 )
 from course_lib.checkpoint.integrity import files_of, latest_complete, verify
+from course_lib.checkpoint.local_sgd import SYNC_RUNS, train_synced
 from course_lib.checkpoint.raw_rows import bytes_read_by_process, row_bytes
+from course_lib.checkpoint.replicas import SyncComparison, TorchftRun, compare_sync, run_torchft
 from course_lib.checkpoint.sharded import Loaded, flat_tensors, load_sharded, read_plan, save_sharded, shard_rows
 from course_lib.checkpoint.snapshot import load_full_snapshot, save_full_snapshot
 from course_lib.checkpoint.train import (
@@ -53,17 +59,21 @@ __all__ = [
     "CONSOLIDATED",
     "FORMAT",
     "METADATA",
+    "SYNC_RUNS",
     "AppState",
     "AsyncCheckpointer",
     "CheckpointError",
     "ElasticRun",
     "Loaded",
     "Segment",
+    "SyncComparison",
+    "TorchftRun",
     "agent_messages",
     "batch_for_step",
     "bytes_read_by_process",
     "check_agreed_resume_step",
     "check_verify_together",
+    "compare_sync",
     "dcp_load",
     "dcp_save",
     "differing",
@@ -82,18 +92,23 @@ __all__ = [
     "make_optimizer",
     "plot_elastic",
     "read_plan",
+    "reference_losses",
     "row_bytes",
     "run_elastic",
+    "run_torchft",
     "save_full_snapshot",
     "save_safetensors",
     "save_sharded",
     "segments",
     "shard_rows",
     "sharded_mlp",
+    "step_losses",
     "time_saves",
     "train_elastic",
+    "train_replica",
     "train_resumable",
     "train_step",
+    "train_synced",
     "verify",
     "wait_for_membership_change",
 ]

@@ -1,0 +1,206 @@
+"""Per-step fault tolerance with torchft: replica groups that keep training when one of them dies (rank side).
+
+torchrun's answer to a failure (section 8) is to restart the whole world from the last checkpoint. torchft
+(``pip install torchft``) keeps the survivors going: each *replica group* (here: one process) runs its own
+``torchft.Manager``; before every step the managers ask a **lighthouse** for a quorum, the replicas that answered
+form this step's process group (torchft's reconfigurable ``ProcessGroupGloo``), gradients are averaged over them
+(torchft's ``DistributedDataParallel``), and the optimizer steps only if every replica of the quorum says the
+step succeeded (torchft's ``Optimizer`` wrapper, ``should_commit``). A replica that joins late or comes back
+is behind: it *heals*, fetching the model and optimizer state from a peer that is up to date.
+
+:func:`train_replica` is one replica of the failure run; :func:`reference_losses` and :func:`step_losses` compare
+it with one process. ``local_sgd`` trains with fewer synchronisations; ``replicas`` starts the replicas from the
+kernel.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+GLOBAL_BATCH = 48  # samples per step, split over the replicas that take part in the step
+# The replicas' environment: torchft's Rust side logs every quorum at INFO (RUST_LOG sets its level), and DDP's C++
+# reducer warns that torchft's find_unused_parameters=True found none (TORCH_CPP_LOG_LEVEL sets that level): both
+# only in the replicas' own log files, kept quiet so that what they print is what the lesson reads.
+QUIET = {"RUST_LOG": "error", "TORCH_CPP_LOG_LEVEL": "ERROR", "OMP_NUM_THREADS": "1"}
+# Quorum rules of the lighthouse: a replica whose heartbeats (every 100 ms) stop for 2 s is dropped; a quorum waits up
+# to 10 s for a replica that heartbeats but has not asked to join.
+LIGHTHOUSE = {"min_replicas": 1, "join_timeout_ms": 10_000, "quorum_tick_ms": 20, "heartbeat_timeout_ms": 2_000}
+
+
+def counting_gloo(timeout: timedelta) -> Any:
+    """torchft's ProcessGroupGloo that records the payload of every all-reduce in `.allreduced` (bytes per call).
+
+    Why here and not with comms.Recorder: torchft's calls do reach the dispatcher as c10d ops, but its process
+    groups are built outside c10d's registry (a new one at every quorum), so the recorder cannot name their ranks
+    and refuses them. torchft's DDP, LocalSGD and DiLoCo all send through this one method.
+    """
+    from torchft import ProcessGroupGloo
+
+    class CountingGloo(ProcessGroupGloo):
+        def __init__(self, timeout: timedelta) -> None:
+            super().__init__(timeout=timeout)
+            self.allreduced: list[int] = []
+
+        def allreduce(self, tensors: list[torch.Tensor], opts: object) -> Any:
+            self.allreduced.append(sum(t.numel() * t.element_size() for t in tensors))
+            return super().allreduce(tensors, opts)
+
+    return CountingGloo(timeout)
+
+
+def _log(root: Path, replica: int, entry: dict) -> None:
+    with open(root / f"replica_{replica}.jsonl", "a") as f:
+        f.write(json.dumps({**entry, "time": time.time()}) + "\n")
+
+
+def _wait_for_file(path: Path, limit_s: float) -> None:
+    deadline = time.monotonic() + limit_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path.name} did not appear within {limit_s:.0f} s")
+        time.sleep(0.05)
+
+
+def _manager(
+    lighthouse: str, replica: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options: Any
+) -> tuple[Any, Any, Any]:
+    """A torchft Manager for a replica group of one process, its counting process group, and the group's own
+    TCPStore on loopback (keep it referenced: the manager connects to it)."""
+    import torch.distributed as dist
+    from torchft import Manager
+
+    timeout = timedelta(seconds=options.pop("timeout_s", 20))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # this group's store
+    group = counting_gloo(timeout)
+    manager = Manager(
+        pg=group,
+        min_replica_size=1,
+        # what a healing replica receives from a peer: the model and the optimizer state (Adam's moments)
+        state_dict=lambda: {"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+        load_state_dict=lambda s: (model.load_state_dict(s["model"]), optimizer.load_state_dict(s["optimizer"])),
+        rank=0,
+        world_size=1,
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        lighthouse_addr=lighthouse,
+        replica_id=f"replica_{replica}",
+        hostname="127.0.0.1",
+        init_sync=False,  # every replica builds the same seeded MLP: nothing to fetch at step 0
+        timeout=timeout,
+        quorum_timeout=timeout,
+        connect_timeout=timeout,
+        **options,
+    )
+    return manager, group, store
+
+
+def train_replica(
+    root: str | os.PathLike,
+    replica: int,
+    lighthouse: str,
+    total_steps: int,
+    *,
+    replicas: int = 2,
+    pause_at: int | None = None,
+    wait_for_rejoin_at: int | None = None,
+    rejoining: bool = False,
+    limit_s: float = 60.0,
+) -> None:
+    """One replica group of one process: torchft's DDP and Optimizer around the course's MLP, `total_steps` steps.
+
+    Each step's global batch (:func:`~course_lib.checkpoint.train.batch_for_step`) is split over the replicas of
+    that step's quorum, so the mathematics does not depend on how many take part. ``pause_at``: stop before that
+    step and wait to be killed. ``wait_for_rejoin_at``: before that step, wait until a rejoining replica asks to
+    join (the run's events then land on the same steps every time). Logs one JSON line per committed step to
+    ROOT/replica_<r>.jsonl and saves the final weights to ROOT/replica_<r>.pt.
+    """
+    from torchft import DistributedDataParallel, Optimizer
+
+    from course_lib.checkpoint.train import batch_for_step
+    from course_lib.data import regression
+    from course_lib.models import MLP
+
+    root = Path(root)
+    model = MLP()
+    adam = torch.optim.Adam(model.parameters(), lr=1e-2)
+    manager, _, _store = _manager(lighthouse, replica, model, adam)
+    ddp = DistributedDataParallel(manager, model)
+    optimizer = Optimizer(manager, adam)
+    data = regression(n=480)
+    _log(root, replica, {"event": "start", "pid": os.getpid()})
+    if rejoining:
+        (root / "rejoining").touch()
+    else:  # the first replicas start together: every one is up before the first quorum
+        (root / f"ready_{replica}").touch()
+        for other in range(replicas):
+            _wait_for_file(root / f"ready_{other}", limit_s)
+    while manager.current_step() < total_steps:
+        step = manager.current_step()
+        if step == pause_at:
+            _log(root, replica, {"event": "pause", "step": step})
+            time.sleep(limit_s)
+            raise TimeoutError(f"replica {replica} was not killed within {limit_s:.0f} s")
+        if step == wait_for_rejoin_at:
+            _wait_for_file(root / "rejoining", limit_s)
+        optimizer.zero_grad()  # starts this step's quorum
+        participants, rank = manager.num_participants(), manager.participating_rank()
+        x, y = batch_for_step(data, step, GLOBAL_BATCH, rank or 0, participants)
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        loss.backward()  # DDP's hook: manager.allreduce over this step's quorum
+        optimizer.step()  # only if every replica of the quorum commits
+        if manager.current_step() == step + 1 or rank is None:  # committed (a healing replica jumps ahead)
+            healed = rank is None
+            _log(
+                root,
+                replica,
+                {
+                    "event": "step",
+                    "step": manager.current_step() - 1,
+                    "participants": participants,
+                    "healed": healed,
+                    "loss": None if healed else loss.item(),
+                },
+            )
+        else:
+            _log(root, replica, {"event": "retry", "step": step})
+    torch.save(model.state_dict(), root / f"replica_{replica}.pt")
+    _log(root, replica, {"event": "done", "step": manager.current_step()})
+    manager.shutdown(wait=False)
+
+
+def reference_losses(total_steps: int) -> list[float]:
+    """The same training in one process without any failure: the whole global batch every step."""
+    from course_lib.checkpoint.train import batch_for_step
+    from course_lib.data import regression
+    from course_lib.models import MLP
+
+    data = regression(n=480)
+    model = MLP()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(total_steps):
+        x, y = batch_for_step(data, step, GLOBAL_BATCH, 0, 1)
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def step_losses(events: list[list[dict]]) -> dict[int, float]:
+    """The global batch's loss at each committed step: the mean of the slice losses of the replicas that took part
+    (their slices are equal: GLOBAL_BATCH / participants samples each)."""
+    per_step: dict[int, list[float]] = {}
+    for log in events:
+        for e in log:
+            if e["event"] == "step" and not e["healed"]:
+                per_step.setdefault(e["step"], []).append(e["loss"])
+    return {step: sum(losses) / len(losses) for step, losses in sorted(per_step.items())}

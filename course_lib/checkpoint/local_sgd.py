@@ -1,0 +1,93 @@
+"""Fewer synchronisations with torchft: LocalSGD and DiLoCo against DDP, the bytes of every all-reduce counted.
+
+DDP averages the gradients every step. LocalSGD lets each replica take H optimizer steps on its own and then
+averages the weights; DiLoCo averages the change of the weights since the last synchronisation (a pseudo-gradient)
+and hands it to an outer optimizer. Both send 1/H of DDP's bytes per step; the price is the replicas' drift between
+synchronisations. :func:`train_synced` is the rank side; ``replicas.compare_sync`` starts two replicas.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from course_lib.checkpoint.fault_tolerance import GLOBAL_BATCH, _manager, _wait_for_file
+
+SYNC_RUNS = {
+    "DDP": ("ddp", 1),
+    "LocalSGD H=2": ("local_sgd", 2),
+    "LocalSGD H=4": ("local_sgd", 4),
+    "LocalSGD H=8": ("local_sgd", 8),
+    "DiLoCo H=4, outer SGD lr 1": ("diloco", 4),
+    "DiLoCo H=4, outer Nesterov": ("diloco_nesterov", 4),
+}
+
+
+def train_synced(
+    root: str | os.PathLike,
+    replica: int,
+    lighthouses: dict[str, str],
+    steps: int,
+    *,
+    replicas: int = 2,
+    limit_s: float = 60.0,
+) -> None:
+    """Train the same MLP `steps` steps once per entry of :data:`SYNC_RUNS`, with that entry's lighthouse.
+
+    "ddp": torchft's DDP, gradients averaged every step. "local_sgd": Adam steps on this replica's share of each
+    global batch, the weights averaged every H steps. "diloco": the same inner steps; every H steps the change of
+    the weights since the last synchronisation (the pseudo-gradient) is averaged and an outer optimizer applies it
+    (plain SGD with lr 1, or DiLoCo's Nesterov momentum, lr 0.7). Writes ROOT/synced_<r>.json: per run, the payload
+    of every all-reduce and, every 8 steps, the loss of the model on the whole data set.
+    """
+    from torchft import DistributedDataParallel, Optimizer
+    from torchft.local_sgd import DiLoCo, LocalSGD
+
+    from course_lib.checkpoint.train import batch_for_step
+    from course_lib.data import regression
+    from course_lib.models import MLP
+
+    root = Path(root)
+    data = regression(n=480)
+    x_all, y_all = data.tensors
+    result: dict[str, dict[str, list]] = {}
+    for name, (method, sync_every) in SYNC_RUNS.items():
+        model = MLP()
+        inner = torch.optim.Adam(model.parameters(), lr=1e-2)
+        # DiLoCo requires a synchronous quorum (at the synchronisation, not during the steps)
+        manager, group, _store = _manager(lighthouses[name], replica, model, inner, use_async_quorum=method == "ddp")
+        ready = f"ready_{len(result)}"
+        (root / f"{ready}_{replica}").touch()  # every manager is up (heartbeating) before the first quorum
+        for other in range(replicas):
+            _wait_for_file(root / f"{ready}_{other}", limit_s)
+        forward: torch.nn.Module = model
+        optimizer: torch.optim.Optimizer = inner
+        algorithm: Any = contextlib.nullcontext()
+        if method == "ddp":
+            forward, optimizer = DistributedDataParallel(manager, model), Optimizer(manager, inner)
+        elif method == "local_sgd":
+            algorithm = LocalSGD(manager, model, inner, sync_every=sync_every)
+        else:
+            nesterov = method == "diloco_nesterov"
+            outer = torch.optim.SGD(
+                model.parameters(), lr=0.7 if nesterov else 1.0, momentum=0.9 if nesterov else 0.0, nesterov=nesterov
+            )
+            algorithm = DiLoCo(manager, [model], inner, outer, sync_every=sync_every, pin_memory=False)
+        losses = []
+        with algorithm:
+            for step in range(steps):
+                x, y = batch_for_step(data, step, GLOBAL_BATCH, replica, replicas)
+                optimizer.zero_grad()
+                torch.nn.functional.mse_loss(forward(x), y).backward()
+                optimizer.step()  # LocalSGD and DiLoCo synchronise in the optimizer's post-step hook
+                if (step + 1) % 8 == 0:  # a synchronisation point of every H here: the replicas agree
+                    with torch.no_grad():
+                        losses.append(torch.nn.functional.mse_loss(model(x_all), y_all).item())
+        result[name] = {"allreduced": group.allreduced, "losses": losses}
+        manager.shutdown(wait=False)
+    (root / f"synced_{replica}.json").write_text(json.dumps(result))

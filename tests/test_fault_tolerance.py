@@ -1,0 +1,78 @@
+"""torchft (notebook 06, sections 11 and 12): replica groups that keep training when one dies; LocalSGD and DiLoCo.
+
+Each replica group is a one-rank torchrun run started by checkpoint.elastic's machinery; the lighthouse runs in this
+process. Every test also checks that no process of its runs is left.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+import torch
+
+from course_lib import checkpoint as ck
+from course_lib.models import MLP
+
+
+def _steps(log: list[dict]) -> dict[int, bool]:
+    """{committed step: healed}"""
+    return {e["step"]: e["healed"] for e in log if e["event"] == "step"}
+
+
+def test_the_survivor_keeps_going_and_the_killed_replica_heals_from_it(tmp_path):
+    run = ck.run_torchft(tmp_path / "torchft", total_steps=12, kill_at=4, rejoin_at=8, timeout_s=240)
+    survivor, first, again = (_steps(run.events[n]) for n in ("replica 0", "replica 1", "replica 1 again"))
+    assert survivor == dict.fromkeys(range(12), False)  # every step, once, never restarted, never healed
+    assert first == dict.fromkeys(range(4), False)
+    last = run.events["replica 1"][-1]
+    assert (last["event"], last["step"]) == ("pause", 4)  # where it was killed
+    assert again == {8: True, 9: False, 10: False, 11: False}  # healed at step 8, then trained
+    quorum = {e["step"]: e["participants"] for e in run.events["replica 0"] if e["event"] == "step"}
+    assert quorum == {s: 2 if s < 4 or s > 8 else 1 for s in range(12)}
+    assert not [e for log in run.events.values() for e in log if e["event"] == "retry"]
+    losses, reference = ck.step_losses(list(run.events.values())), ck.reference_losses(12)
+    assert sorted(losses) == list(range(12))
+    assert all(abs(losses[s] - reference[s]) <= 1e-4 * reference[s] for s in range(12)), (losses, reference)
+    assert losses[0] != losses[11]  # it trained
+    weights = run.weights
+    assert all(torch.equal(weights["replica 0"][k], v) for k, v in weights["replica 1"].items())
+    assert not all(torch.equal(MLP().state_dict()[k], v) for k, v in weights["replica 0"].items())
+    assert run.exit_codes == {"replica 0": 0, "replica 1": 1, "replica 1 again": 0}
+    assert run.left == []
+
+
+def test_a_torchft_run_ends_every_process_at_its_timeout(tmp_path):
+    with pytest.raises(TimeoutError, match=r"^gave up waiting for replica \S+ to \w+") as caught:
+        ck.run_torchft(tmp_path / "torchft", timeout_s=3)
+    assert caught.value.__notes__[-1] == "processes left behind after ending every replica: []"
+
+
+def test_local_sgd_and_diloco_send_one_over_h_of_ddps_bytes(tmp_path):
+    sync = ck.compare_sync(tmp_path / "sync", steps=8, timeout_s=240)
+    assert list(sync.runs) == list(ck.SYNC_RUNS)
+    parameters = sum(p.numel() for p in MLP().parameters())
+    ddp = Fraction(sum(sync.runs["DDP"]["allreduced"]), 8)
+    assert ddp == 4 * parameters  # every gradient, every step
+    assert len(sync.runs["DDP"]["allreduced"]) == 8  # one bucket per step for this small model
+    for name, (method, h) in ck.SYNC_RUNS.items():
+        record = sync.runs[name]
+        assert Fraction(sum(record["allreduced"]), 8) / ddp == Fraction(1, h), name
+        if method != "ddp":  # one all-reduce per parameter tensor at each synchronisation
+            assert len(record["allreduced"]) == len(list(MLP().parameters())) * 8 // h, name
+        assert len(record["losses"]) == 1 and record["losses"][0] > 0
+    local, diloco = sync.runs["LocalSGD H=4"]["losses"][0], sync.runs["DiLoCo H=4, outer SGD lr 1"]["losses"][0]
+    assert abs(local - diloco) <= 1e-5 * local  # DiLoCo with outer SGD at lr 1 is LocalSGD
+    assert sync.runs["DiLoCo H=4, outer Nesterov"]["losses"] != sync.runs["LocalSGD H=4"]["losses"]
+    assert sync.replicas_agree and sync.left == []
+
+
+def test_step_losses_average_the_replicas_that_trained():
+    log_a = [
+        {"event": "start"},
+        {"event": "step", "step": 0, "healed": False, "loss": 1.0},
+        {"event": "step", "step": 1, "healed": False, "loss": 0.5},
+    ]
+    log_b = [{"event": "step", "step": 0, "healed": False, "loss": 3.0}, {"event": "pause", "step": 1}]
+    log_c = [{"event": "step", "step": 1, "healed": True, "loss": None}]
+    assert ck.step_losses([log_a, log_b, log_c]) == {0: 2.0, 1: 0.5}
