@@ -6,6 +6,9 @@ GPU (CUDA available): median TFLOP/s of an n x n matmul in fp32, fp16 and bf16 (
 n = 8192) and the ratio to fp32. CPU: median time of a forward+backward step of the course MLP (d_hidden=512) in
 fp32, bf16 autocast and a pure bf16 model, alternating between them so load changes hit all alike; and the bytes of
 parameters and saved activations in fp32 vs bf16 (ratio asked by the issue: about 0.5).
+Both: the float8 all-gather under FSDP2 on 2 gloo ranks (course_lib.precision.train_fsdp): the bytes of the float8
+weights in the recorded all-gathers against the same weights' fp32 bytes, exactly 0.25 (the biases, in bf16, are taken
+out by their known size).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from _report import report  # benchmarks/ is the script's directory: on sys.path
 from torch import nn
 
 from course_lib import compare, precision
+from course_lib.launch import launch
 from course_lib.models import MLP
 
 
@@ -64,6 +68,35 @@ def cpu(repeats: int, batch: int) -> None:
     report("bf16 / fp32 saved activation bytes", acts[0] / acts[1], "0.45..0.55")
 
 
+FLOAT8_BODY = """
+from course_lib.precision import float8_width, rank_batches, train_fsdp
+
+batches = rank_batches(1, 48, device)
+width = float8_width(world_size)
+runs = {kind: train_fsdp(kind, batches, width=width, lr=2.0, device=device) for kind in ("fp32", "float8")}
+"""
+
+
+def float8_all_gather() -> None:
+    run = launch(FLOAT8_BODY, 2, backend="gloo", out=["runs", "width"], timeout=300, write=lambda text, stream: None)
+    runs, width = run.values["runs"][0], run.values["width"][0]
+    linears = [m for m in MLP(d_hidden=width, n_layers=2) if isinstance(m, nn.Linear)]  # one FSDP2 unit each
+    weight_bytes = {"fp32": 0, "float8": 0}
+    for name in runs["float8"]["float8_modules"]:
+        unit = int(name) // 2  # Sequential index -> Linear
+        bias = linears[unit].bias.numel()
+        weight_bytes["fp32"] += runs["fp32"]["forward_all_gather_bytes"][unit] - 4 * bias
+        weight_bytes["float8"] += runs["float8"]["forward_all_gather_bytes"][unit] - 2 * bias  # bias in bf16
+    print(
+        f"float8 all-gather, 2 ranks: float8 weights {weight_bytes['float8']:,} B, as fp32 {weight_bytes['fp32']:,} B"
+    )
+    report(
+        "float8 / fp32 all-gather bytes of the float8 weights",
+        weight_bytes["float8"] / weight_bytes["fp32"],
+        "0.25..0.25",
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
@@ -74,6 +107,7 @@ def main() -> None:
     else:
         print("no GPU: matmul throughput skipped; CPU step time and memory instead")
         cpu(args.repeats, args.n)
+    float8_all_gather()
 
 
 if __name__ == "__main__":

@@ -260,3 +260,136 @@ def test_found_inf_checker_builds_the_gradients_on_the_ranks_device(monkeypatch)
     with pytest.raises(Reached):
         checkers.check_found_inf(recorder(devices))
     assert devices == [META, META]
+
+
+# ------------------------------------------------------------------------------------------------
+# float8 (section 8)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_float8_formats_against_their_bit_layout():
+    rows = {r["dtype"]: r for r in precision.formats_table()}
+    assert list(rows) == ["fp32", "fp16", "bf16", "e4m3fn", "e5m2"]
+
+    def stored(value, dtype):
+        return torch.tensor(value, dtype=torch.float64).to(dtype).item()
+
+    for dtype in precision.FLOAT8_DTYPES:
+        r = rows[precision.FLOAT8_NAMES[dtype]]
+        e, m = precision.FLOAT8_LAYOUT[dtype]
+        assert r["bits"] == 1 + e + m == 8 and r["eps"] == 2.0**-m
+        assert stored(1.0 + r["eps"], dtype) == 1.0 + r["eps"] and stored(1.0 + r["eps"] / 4, dtype) == 1.0
+        assert r["smallest normal"] == 2.0 ** (2 - 2 ** (e - 1))
+        tiny = r["smallest subnormal"]
+        assert stored(tiny, dtype) == tiny and stored(tiny / 2, dtype) == 0.0
+        assert stored(r["max"], dtype) == r["max"]
+    assert rows["e4m3fn"]["max"] == 448 and rows["e5m2"]["max"] == 57344
+    assert stored(1e6, torch.float8_e4m3fn) == 448  # no inf in e4m3fn: a cast saturates
+    assert math.isnan(stored(math.nan, torch.float8_e4m3fn))
+
+
+def test_scaled_cast_from_scratch_is_torchaos_and_row_wise_beats_an_outlier():
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)) * 1e-3
+    x[5] *= 1e5
+    for dtype in precision.FLOAT8_DTYPES:
+        data, scale = precision.to_float8(x, dtype)
+        theirs = hp_tensor_to_float8_dynamic(x, dtype, LinearMMConfig())
+        assert torch.equal(theirs._data.view(torch.uint8), data.view(torch.uint8)) and torch.equal(theirs._scale, scale)
+        assert precision.from_float8(data, scale).abs().max() == x.abs().max()  # amax lands on max, and back
+    rows, row_scales = precision.to_float8(x, rowwise=True)
+    assert row_scales.shape == (8, 1) and (rows.float().abs().amax(dim=1) == 448).all()  # every row uses the range
+    ordinary = [r for r in range(8) if r != 5]
+    error = {
+        rowwise: precision.cast_error(
+            precision.from_float8(*precision.to_float8(x, rowwise=rowwise))[ordinary], x[ordinary]
+        )
+        for rowwise in (False, True)
+    }
+    assert error[False] > 4 * error[True] and error[True] < 2.0**-4
+    zeros, zero_scale = precision.to_float8(torch.zeros(4, 4))
+    assert torch.isfinite(zero_scale) and (zeros.float() == 0).all()  # an all-zero tensor: a finite scale, no nan
+
+
+def test_float8_filter_and_width():
+    from torchao.float8 import convert_to_float8_training
+    from torchao.float8.float8_linear import Float8Linear
+
+    assert precision.why_high_precision(torch.nn.Linear(32, 256)) == ""
+    assert precision.why_high_precision(torch.nn.Linear(256, 8)) == "dims 256x8 not multiples of 16"
+    assert precision.why_high_precision(torch.nn.Linear(24, 32)) == "dims 24x32 not multiples of 16"
+    assert (
+        precision.why_high_precision(torch.nn.Linear(32, 256), shards=3) == "256 rows do not split evenly over 3 ranks"
+    )
+    assert precision.why_high_precision(torch.nn.GELU()) == "not a Linear"
+    model = convert_to_float8_training(MLP(d_hidden=48), module_filter_fn=precision.float8_filter(shards=3))
+    assert [type(m) for m in model if not isinstance(m, torch.nn.GELU)] == [Float8Linear] * 4 + [torch.nn.Linear]
+    for world_size in range(1, 9):
+        width = precision.float8_width(world_size)
+        assert width % 16 == 0 and width % world_size == 0 and 256 <= width < 256 + math.lcm(16, world_size)
+
+
+def test_torchao_imports_quietly_after_the_course():
+    """The course's module drops torchao's load-time lines (and only those); nothing reaches stderr."""
+    import logging
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", "import course_lib.precision, torchao.float8"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+
+    def record(logger, msg, *args):
+        return logging.LogRecord(logger, logging.WARNING, __file__, 1, msg, args, None)
+
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    torchao, pytree = logging.getLogger("torchao"), logging.getLogger("torch.utils._pytree")
+    assert not torchao.filter(record("torchao", "Failed to load /x/site-packages/torchao/_C_mxfp8.so: no CUDA"))
+    assert torchao.filter(record("torchao", "Failed to load the checkpoint"))  # other messages pass
+    enum_message = "%s is an Enum subclass and is now natively supported by torch.compile"
+    assert not pytree.filter(record("torch.utils._pytree", enum_message, KernelPreference))
+    assert pytree.filter(record("torch.utils._pytree", enum_message, logging.LogRecord))  # not torchao's: passes
+
+
+def test_float8_all_gather_and_scales_on_ranks():
+    """Section 8's run on 3 ranks (an odd world size: float8_width makes the rows split evenly), 3 steps."""
+    from course_lib.launch import launch
+
+    body = (
+        "from course_lib.precision import float8_width, rank_batches, train_fsdp\n"
+        "batches = rank_batches(3, 48, device)\n"
+        "width = float8_width(world_size)\n"
+        "kinds = ('fp32', 'float8')\n"
+        "result = {kind: train_fsdp(kind, batches, width=width, lr=2.0, device=device) for kind in kinds}\n"
+    )
+    lines: list[str] = []
+    done = launch(body, 3, backend="gloo", out=["result", "width"], write=lambda text, stream: lines.append(text))
+    assert not any("Failed to load" in line or "Enum subclass" in line for line in lines), lines
+    width = done.values["width"][0]
+    assert width == 288
+    for rank, result in enumerate(done.values["result"]):
+        fp32, float8 = result["fp32"], result["float8"]
+        assert float8["float8_modules"] == ["0", "2"], rank
+        for unit, (in_features, b) in enumerate([(32, width), (width, width)]):
+            w = in_features * width
+            assert fp32["forward_all_gather_bytes"][unit] == 4 * (w + b)
+            assert float8["forward_all_gather_bytes"][unit] == w + 2 * b  # e4m3 weight, bf16 bias
+        assert float8["forward_ops"] == {"all_gather": 3}  # the scales were precomputed: no all-reduce in the forward
+        assert [[(c.op, c.nbytes) for c in calls] for calls in float8["precompute_calls"]] == [[("all_reduce", 8)]] * 4
+        scales = torch.tensor(float8["scales"])
+        assert float8["scales_are_max_over_amax"] and bool((scales[1:] != scales[:-1]).all())
+        assert max(abs(a - b) for a, b in zip(float8["losses"], fp32["losses"])) < 2.0**-4 * fp32["losses"][0]
+
+
+def test_float8_speed_cell_runs_its_code_path_on_cpu():
+    """The GPU cell's measurement, on a small CPU matmul: every variant runs (its times mean nothing here)."""
+    seconds = precision.matmul_and_linear_seconds(torch.device("cpu"), n=64, repeats=1)
+    assert list(seconds) == ["bf16 matmul", "float8 matmul", "bf16 Linear", "float8 Linear"]
+    assert all(s > 0 for s in seconds.values())

@@ -6,12 +6,28 @@
 - train: one training loop for both scalers; the loss curves per precision mode
 - anti_pattern: MixedPrecisionTrainer, a hand-managed scale next to GradScaler (do not copy)
 - figures: the formats table and (GPU) matmul throughput
+- float8: e4m3/e5m2, scaled casts from scratch, which Linears go float8, FSDP2 with the float8 all-gather, speed
 - checkers: the exercise checkers (found-inf across ranks, a GradScaler step with clipping)
 """
 
 from course_lib.precision.anti_pattern import MixedPrecisionTrainer
 from course_lib.precision.checkers import check_clipped_scaler_step, check_found_inf
 from course_lib.precision.figures import finfo_table, matmul_tflops
+from course_lib.precision.float8 import (  # first of torchao's users: it quiets torchao's import
+    FLOAT8_DTYPES,
+    FLOAT8_LAYOUT,
+    FLOAT8_NAMES,
+    FSDP_KINDS,
+    cast_error,
+    float8_filter,
+    float8_width,
+    formats_table,
+    from_float8,
+    matmul_and_linear_seconds,
+    to_float8,
+    train_fsdp,
+    why_high_precision,
+)
 from course_lib.precision.inspection import inspect_fsdp2_mixed_precision, record_op_dtypes
 from course_lib.precision.loss_scaler import DynamicLossScaler, found_inf_across_ranks, local_grads
 from course_lib.precision.number_formats import (
@@ -33,19 +49,29 @@ from course_lib.precision.train import (
 
 __all__ = [
     "DTYPE_NAMES",
+    "FLOAT8_DTYPES",
+    "FLOAT8_LAYOUT",
+    "FLOAT8_NAMES",
     "FLOAT_DTYPES",
+    "FSDP_KINDS",
     "LAYOUT",
     "PRECISION_MODES",
     "DynamicLossScaler",
     "MixedPrecisionTrainer",
     "amp_training_loop",
     "bit_fields",
+    "cast_error",
     "check_clipped_scaler_step",
     "check_found_inf",
     "finfo_table",
+    "float8_filter",
+    "float8_width",
+    "formats_table",
     "found_inf_across_ranks",
+    "from_float8",
     "inspect_fsdp2_mixed_precision",
     "local_grads",
+    "matmul_and_linear_seconds",
     "matmul_tflops",
     "poison_one_gradient",
     "rank_batches",
@@ -53,5 +79,8 @@ __all__ = [
     "rounding_error",
     "smallest_subnormal",
     "stored_value",
+    "to_float8",
+    "train_fsdp",
     "train_precision_mode",
+    "why_high_precision",
 ]
