@@ -157,6 +157,29 @@ def test_every_layout_trains_like_one_process_and_costs_what_the_calculators_say
         assert sent == pytest.approx(predicted[dim], rel=0.05), dim
 
 
+@pytest.mark.parametrize(
+    "fields", [{"name": "one process, compiled"}, {"name": "FSDP2, compiled", "dp": 3}], ids=lambda f: f["name"]
+)
+def test_a_compiled_layout_trains_like_one_process_with_one_graph_and_the_same_costs(fields, reference):
+    fields = {**fields, "compiled": True}
+    summary = run_layout(fields, steps=4)
+    layout = gpt.Layout(**fields)
+    assert max(abs(a - b) for a, b in zip(summary["losses"], reference)) < 1e-4
+    assert summary["graphs"] == (1, 1)  # both blocks run one graph, compiled in the first step; no recompile
+    for held, (stage, dp_rank) in zip(summary["held"], summary["coordinates"]):
+        assert held["total"] == gpt.predicted_shard_bytes(layout, CONFIG, stage, dp_rank)
+    predicted = gpt.predicted_traffic(layout, CONFIG, 16)
+    assert summary["sent"]["dp"] == pytest.approx(predicted["dp"], rel=0.05)
+
+
+def test_compiling_in_place_keeps_every_parameter_name():
+    eager = gpt.parallelize(gpt.Layout("one process"), CONFIG, None, torch.device("cpu"))
+    compiled = gpt.parallelize(gpt.compiled_layouts(1)[0], CONFIG, None, torch.device("cpu"))
+    assert list(compiled.state_dict()) == list(eager.state_dict())  # a checkpoint does not see the compile
+    assert all(block._compiled_call_impl is not None for block in compiled.blocks)
+    assert all(block._compiled_call_impl is None for block in eager.blocks)
+
+
 def test_a_2d_checkpoint_resumes_exactly_in_fsdp_on_three_ranks(tmp_path, reference):
     two_d = run_layout({"name": "FSDP2 x TP", "dp": 2, "tp": 2}, steps=4, save_at=2, checkpoint=str(tmp_path))
     resumed = run_layout({"name": "FSDP2", "dp": 3}, steps=4, checkpoint=str(tmp_path), resume=True)

@@ -3,7 +3,7 @@
 snapshot     the data set: the course's markdown at one commit, written once to course_text.txt
 text         character tokens, the fixed train/validation split, a loader that gives each dp rank its rows
 model        the GPT: embeddings, the course's TransformerBlocks, a head tied to the token table; FLOPs
-layouts      one process, DDP, FSDP2, FSDP2 x TP, PP x FSDP2 x TP: one function per mesh dimension
+layouts      one process, DDP, FSDP2, FSDP2 x TP, PP x FSDP2 x TP (one function per mesh dimension); compiled
 train        the training run every layout shares (the counted step, the timed steps, checkpoints)
 checkpoints  DCP save/load with notebook 06's AppState, and a fingerprint of the whole state
 measure      FLOPs counted, the matmul limit, a GPU's peak, bytes sent (comms.Recorder)
@@ -15,13 +15,15 @@ checkers     the exercises' checkers (solutions: notebooks/solutions/13_capstone
 
 from course_lib.gpt.checkers import check_embedding_group, check_rows_on_mesh
 from course_lib.gpt.checkpoints import fingerprint, load, save
-from course_lib.gpt.figures import draw_drift, draw_plan, draw_runs, speed_table
+from course_lib.gpt.figures import compiled_against_eager, draw_drift, draw_plan, draw_runs, speed_table
 from course_lib.gpt.layouts import (
     LR,
     Layout,
+    apply_compile,
     apply_ddp,
     apply_fsdp,
     build_mesh,
+    compiled_layouts,
     layouts,
     make_optimizer,
     parallelize,
@@ -70,11 +72,14 @@ __all__ = [
     "Head",
     "Layout",
     "ShardedBatches",
+    "apply_compile",
     "apply_ddp",
     "apply_fsdp",
     "build_mesh",
     "check_embedding_group",
     "check_rows_on_mesh",
+    "compiled_against_eager",
+    "compiled_layouts",
     "count_parameters",
     "counted_flops",
     "course_text",

@@ -40,6 +40,18 @@ def speed_table(summaries: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def compiled_against_eager(eager: dict[str, Any], compiled: dict[str, Any]) -> str:
+    """One line: tokens/s and achieved / limit of an eager run and of its compiled twin, and the ratio of the latter.
+
+    Each run is held against the limit measured during it: on a shared machine two runs see different loads, and
+    achieved / limit compares them where their tokens/s alone would not."""
+    e, c = achieved(eager), achieved(compiled)
+    return (
+        f"{compiled['layout'].describe()}: tokens/s {e['tokens_per_s']:.0f} -> {c['tokens_per_s']:.0f}; "
+        f"achieved / limit {e['of_limit']:.2f} -> {c['of_limit']:.2f} ({c['of_limit'] / e['of_limit']:.2f} x eager's)"
+    )
+
+
 def draw_runs(summaries: list[dict[str, Any]], config: GPTConfig, global_batch: int) -> None:
     """Three panels: the loss curves (every layout on the one-process curve), achieved against the limit, and
     memory per rank and bytes per step, measured (bars) against the calculators (ticks)."""

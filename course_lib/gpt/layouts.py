@@ -6,6 +6,9 @@
     FSDP2 x TP       compose.apply_tp over "tp" inside every block, then FSDP2 over "dp" (notebook 11)
     PP x FSDP2 x TP  this stage's blocks (compose.stage_blocks, notebook 08), then TP, then FSDP2
 
+A layout may also be compiled (`compiled=True`): each block is compiled in place before DDP or FSDP2 wraps it
+(:func:`apply_compile`, torchtitan's way), so the data-parallel hooks stay outside the compiled code.
+
 The embeddings and the head are not tensor-parallel (they are small here): the tp ranks of a group hold them
 whole and compute the same values. With pipeline stages the token table is used twice, by the first stage
 (embedding) and by the last (head): each holds a copy, and :func:`sync_tied_gradients` adds the two gradients
@@ -37,6 +40,7 @@ class Layout:
     pp: int = 1
     n_mb: int = 1
     ddp: bool = False
+    compiled: bool = False
 
     @property
     def world(self) -> int:
@@ -56,6 +60,11 @@ def layouts(nproc: int) -> list[Layout]:
         Layout("FSDP2 x TP", dp=2, tp=2),
         Layout("PP x FSDP2 x TP", dp=2, tp=2, pp=2, n_mb=2),
     ]
+
+
+def compiled_layouts(nproc: int) -> list[Layout]:
+    """The compiled twins of one process and of FSDP2 on NPROC ranks."""
+    return [Layout("one process, compiled", compiled=True), Layout("FSDP2, compiled", dp=nproc, compiled=True)]
 
 
 def build_mesh(layout: Layout, device_type: str = "cpu") -> DeviceMesh | None:
@@ -83,8 +92,17 @@ def apply_fsdp(model: GPT, dp_mesh: DeviceMesh) -> GPT:
     return model
 
 
+def apply_compile(blocks: nn.Sequential) -> None:
+    """torch.compile each block in place, whole (fullgraph: a graph break would be an error). The blocks share
+    one code: the first compile serves the others. Per block, not the whole model: FSDP2's all-gathers and
+    reduce-scatters run between blocks, in its hooks, outside the compiled graphs, and each block's parameters
+    keep their names (a checkpoint does not see the compile)."""
+    for block in blocks:
+        block.compile(fullgraph=True)
+
+
 def parallelize(layout: Layout, config: GPTConfig, mesh: DeviceMesh | None, device: torch.device) -> nn.Module:
-    """This rank's model for `layout`: built (or cut into its stage), then TP, then FSDP2 or DDP."""
+    """This rank's model for `layout`: built (or cut into its stage), then TP, then compiled, then FSDP2 or DDP."""
     from course_lib.compose import apply_tp
 
     if layout.pp > 1:
@@ -92,10 +110,13 @@ def parallelize(layout: Layout, config: GPTConfig, mesh: DeviceMesh | None, devi
         model = pipeline_stage(config, mesh["pp"].get_local_rank(), layout.pp).to(device)
     else:
         model = GPT(config).to(device)
+    if layout.tp > 1:
+        assert mesh is not None
+        apply_tp(model.blocks, mesh["tp"])
+    if layout.compiled:
+        apply_compile(model.blocks)
     if mesh is None:
         return model
-    if layout.tp > 1:
-        apply_tp(model.blocks, mesh["tp"])
     if layout.ddp:
         return apply_ddp(model)
     return apply_fsdp(model, mesh["dp"])

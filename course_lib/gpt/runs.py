@@ -4,13 +4,15 @@
 and threads (every rank multiplies at once), so the limit is measured under the same load as the steps. It
 returns a summary that is the same on every rank: the loss curve, the median seconds per step (of the slowest
 rank), the median limit, tokens and FLOPs per step, the bytes each rank sent in the counted step (mean over
-ranks), each rank's memory. :func:`evaluate` and :func:`sample_text` use the
+ranks), each rank's memory, the seconds to the end of the first step (a compiled layout compiles there) and the
+graphs Dynamo compiled by then and by the end (rank 0's). :func:`evaluate` and :func:`sample_text` use the
 trained model (one process).
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Any
 
 import torch
@@ -40,18 +42,28 @@ def run_layout(
     On a CPU every rank runs one thread: one process uses one core, N ranks share the machine's cores.
     Returns (summary, this rank's model).
     """
+    from torch._dynamo.utils import counters
+
     device = torch.device(device)
     if device.type == "cpu":
         torch.set_num_threads(1)
     config = default_config()
     global_batch = options.get("global_batch", 16)
     bursts: dict[int, float] = {}
+    if layout.compiled:
+        torch._dynamo.reset()  # Dynamo's caches as in a fresh process: the graphs counted are this run's
+    graphs = counters["stats"]
+    before = graphs["unique_graphs"]
+    first: dict[str, float] = {}
+    start = time.perf_counter()
 
-    def measure_limit(step: int) -> None:  # every 10th step, every rank at once, outside the timed spans
-        if step % 10 == 0:
+    def after_step(step: int) -> None:  # outside the timed spans
+        if not first:  # building the model and its first step (for a compiled layout, the compile)
+            first.update(seconds=time.perf_counter() - start, graphs=graphs["unique_graphs"] - before)
+        if step % 10 == 0:  # the limit: every 10th step, every rank at once
             bursts[step] = matmul_flops(device, seconds=0.02)
 
-    result = train_layout(layout, steps, config=config, device=device, after_step=measure_limit, **options)
+    result = train_layout(layout, steps, config=config, device=device, after_step=after_step, **options)
     times, limits = _gathered(result["step_seconds"]), _gathered(bursts)
     # a step lasts as long as its slowest rank; the limit of a moment is the sum of what every rank got then
     seconds = statistics.median(max(t[s] for t in times) for s in times[0]) if times[0] else float("nan")
@@ -76,6 +88,8 @@ def run_layout(
         "held": _gathered(result["held"]),
         "coordinates": _gathered(where),
         "fingerprint": result.get("fingerprint"),
+        "first_step_seconds": max(_gathered(first.get("seconds", 0.0))),
+        "graphs": (int(first.get("graphs", 0)), graphs["unique_graphs"] - before),  # after the first step, at the end
     }
     return summary, result["model"]
 

@@ -123,7 +123,9 @@ def train_layout(layout: Layout, steps: int, global_batch: int = 16, lr: float =
     parts = []
     for s in range(result["first_step"], steps):
         if s == COUNTED_STEP:
-            with comms.Recorder() as rec:
+            # Dynamo does not trace under a dispatch mode (the Recorder is one): a compiled layout runs this step's
+            # blocks eagerly, the same collectives in the same order
+            with comms.Recorder() as rec, torch.compiler.set_stance("force_eager"):
                 parts.append(step(s))
             result["sent"] = rec.by_dimension(mesh)  # {} for one process: no mesh, nothing sent
         else:
