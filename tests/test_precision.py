@@ -275,8 +275,8 @@ def test_float8_formats_against_their_bit_layout():
         return torch.tensor(value, dtype=torch.float64).to(dtype).item()
 
     for dtype in precision.FLOAT8_DTYPES:
-        r = rows[precision.FLOAT8_NAMES[dtype]]
-        e, m = precision.FLOAT8_LAYOUT[dtype]
+        r = rows[precision.DTYPE_NAMES[dtype]]
+        e, m = precision.LAYOUT[dtype]
         assert r["bits"] == 1 + e + m == 8 and r["eps"] == 2.0**-m
         assert stored(1.0 + r["eps"], dtype) == 1.0 + r["eps"] and stored(1.0 + r["eps"] / 4, dtype) == 1.0
         assert r["smallest normal"] == 2.0 ** (2 - 2 ** (e - 1))

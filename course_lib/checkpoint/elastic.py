@@ -117,8 +117,12 @@ def _end(nodes: list[Node]) -> list[int]:
 
 
 def read_events(root: Path) -> list[dict]:
-    """Rank 0's log so far (a line still being written is skipped)."""
-    path = root / EVENTS
+    """Rank 0's log so far."""
+    return read_json_lines(root / EVENTS)
+
+
+def read_json_lines(path: Path) -> list[dict]:
+    """A log of one JSON object per line, so far (none if absent; a line still being written is skipped)."""
     events = []
     for line in path.read_text().splitlines() if path.exists() else []:
         try:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from course_lib.checkpoint.elastic import Node, _end, _start, _wait
+from course_lib.checkpoint.elastic import Node, _end, _start, _wait, read_json_lines
 from course_lib.checkpoint.fault_tolerance import LIGHTHOUSE, QUIET
 from course_lib.checkpoint.local_sgd import SYNC_RUNS
 from course_lib.launch import processes
@@ -32,16 +32,6 @@ class TorchftRun:
     exit_codes: dict[str, int | None]
     left: list[int]  # pids of processes of the run still alive after it ended: none
     wall_s: float
-
-
-def _read(path: Path) -> list[dict]:
-    events = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            break  # a line still being written
-    return events
 
 
 def _replica(name: str, body: str, timeout_s: float) -> Node:
@@ -119,14 +109,14 @@ def run_torchft(
     try:
         _start(first, deadline)
         _start(second, deadline)
-        paused = lambda: any(e["event"] == "pause" for e in _read(log1))
+        paused = lambda: any(e["event"] == "pause" for e in read_json_lines(log1))
         _wait(f"replica 1 to reach step {kill_at}", paused, [first, second], deadline)
         for pid in second.run.pids():  # the replica's process, by its recorded pid: no cleanup, no goodbye
             processes.kill_group(pid, signal.SIGKILL)
         killed_at = time.time()
         assert second.proc is not None
         second.proc.wait(30)  # its torchrun agent sees the worker die and exits
-        alone = lambda: any(e["event"] == "step" and e["step"] == kill_at for e in _read(log0))
+        alone = lambda: any(e["event"] == "step" and e["step"] == kill_at for e in read_json_lines(log0))
         _wait(f"replica 0 to commit step {kill_at} alone", alone, [first], deadline)
         log1.rename(root / "replica_1_first.jsonl")
         _start(again, deadline)
@@ -142,9 +132,9 @@ def run_torchft(
         lighthouse.shutdown()
     left = _end(nodes)
     events = {
-        "replica 0": _read(log0),
-        "replica 1": _read(root / "replica_1_first.jsonl"),
-        "replica 1 again": _read(log1),
+        "replica 0": read_json_lines(log0),
+        "replica 1": read_json_lines(root / "replica_1_first.jsonl"),
+        "replica 1 again": read_json_lines(log1),
     }
     weights = {f"replica {r}": torch.load(root / f"replica_{r}.pt", weights_only=True) for r in (0, 1)}
     return TorchftRun(

@@ -14,9 +14,6 @@ from course_lib.precision.anti_pattern import MixedPrecisionTrainer
 from course_lib.precision.checkers import check_clipped_scaler_step, check_found_inf
 from course_lib.precision.figures import finfo_table, matmul_tflops
 from course_lib.precision.float8 import (  # first of torchao's users: it quiets torchao's import
-    FLOAT8_DTYPES,
-    FLOAT8_LAYOUT,
-    FLOAT8_NAMES,
     FSDP_KINDS,
     cast_error,
     float8_filter,
@@ -32,6 +29,7 @@ from course_lib.precision.inspection import inspect_fsdp2_mixed_precision, recor
 from course_lib.precision.loss_scaler import DynamicLossScaler, found_inf_across_ranks, local_grads
 from course_lib.precision.number_formats import (
     DTYPE_NAMES,
+    FLOAT8_DTYPES,
     FLOAT_DTYPES,
     LAYOUT,
     bit_fields,
@@ -50,8 +48,6 @@ from course_lib.precision.train import (
 __all__ = [
     "DTYPE_NAMES",
     "FLOAT8_DTYPES",
-    "FLOAT8_LAYOUT",
-    "FLOAT8_NAMES",
     "FLOAT_DTYPES",
     "FSDP_KINDS",
     "LAYOUT",

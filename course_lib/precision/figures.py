@@ -9,10 +9,10 @@ import torch
 from course_lib.precision.number_formats import DTYPE_NAMES, FLOAT_DTYPES, LAYOUT, smallest_subnormal
 
 
-def finfo_table() -> list[dict]:
-    """Range and precision of fp32, fp16 and bf16, from torch.finfo."""
+def finfo_table(dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> list[dict]:
+    """Range and precision of each of `dtypes` (fp32, fp16 and bf16 unless told), from torch.finfo."""
     rows = []
-    for dtype in FLOAT_DTYPES:
+    for dtype in dtypes:
         info = torch.finfo(dtype)
         exponent_bits, mantissa_bits = LAYOUT[dtype]
         rows.append(

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib.precision.figures import finfo_table
+from course_lib.precision.number_formats import FLOAT8_DTYPES, FLOAT_DTYPES
 
 # ---- torchao's load-time log lines ----------------------------------------------------------------------------------
 # `import torchao` tries to load each of its compiled kernel libraries (_C_mxfp8, _C_cutlass_90a: CUDA kernels for
@@ -68,32 +69,10 @@ _quiet_torchao_import()
 
 # ---- the formats ----------------------------------------------------------------------------------------------------
 
-FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-FLOAT8_NAMES = {torch.float8_e4m3fn: "e4m3fn", torch.float8_e5m2: "e5m2"}
-# (exponent bits, mantissa bits); 1 sign bit each
-FLOAT8_LAYOUT = {torch.float8_e4m3fn: (4, 3), torch.float8_e5m2: (5, 2)}
-
 
 def formats_table() -> list[dict]:
     """finfo_table's fp32, fp16 and bf16, then e4m3fn and e5m2 with the same columns, from torch.finfo."""
-    rows = finfo_table()
-    for dtype in FLOAT8_DTYPES:
-        info = torch.finfo(dtype)
-        exponent_bits, mantissa_bits = FLOAT8_LAYOUT[dtype]
-        rows.append(
-            {
-                "dtype": FLOAT8_NAMES[dtype],
-                "bits": info.bits,
-                "exponent bits": exponent_bits,
-                "mantissa bits": mantissa_bits,
-                "max": info.max,
-                "smallest normal": info.smallest_normal,
-                "smallest subnormal": info.smallest_normal * 2.0**-mantissa_bits,
-                "eps": info.eps,
-                "decimal digits": round(math.log10(2) * (mantissa_bits + 1), 1),
-            }
-        )
-    return rows
+    return finfo_table(FLOAT_DTYPES + FLOAT8_DTYPES)
 
 
 # ---- scaling --------------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""fp32, fp16 and bf16: their bit layouts, and what a number becomes when stored in each."""
+"""fp32, fp16 and bf16 (and float8's e4m3fn and e5m2): their bit layouts, and what a number becomes when stored."""
 
 from __future__ import annotations
 
@@ -8,9 +8,22 @@ import struct
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+DTYPE_NAMES = {
+    torch.float32: "fp32",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float8_e4m3fn: "e4m3fn",
+    torch.float8_e5m2: "e5m2",
+}
 # (exponent bits, mantissa bits) of the IEEE-style layouts; 1 sign bit each
-LAYOUT = {torch.float32: (8, 23), torch.float16: (5, 10), torch.bfloat16: (8, 7)}
+LAYOUT = {
+    torch.float32: (8, 23),
+    torch.float16: (5, 10),
+    torch.bfloat16: (8, 7),
+    torch.float8_e4m3fn: (4, 3),
+    torch.float8_e5m2: (5, 2),
+}
 
 
 def smallest_subnormal(dtype: torch.dtype) -> float:

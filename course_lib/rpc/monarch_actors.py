@@ -23,7 +23,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import psutil
 import torch
 import torch.distributed as dist
 
@@ -36,6 +35,7 @@ from monarch.actor import Actor, MeshFailure, ProcMesh, current_rank, endpoint, 
 from monarch.config import configure
 
 from course_lib import comms
+from course_lib.session.processes import alive
 
 # In IPython, importing monarch turns on forwarding of the processes' stdout/stderr to the notebook. Our actors print
 # nothing, and with forwarding on, `ProcMesh.stop()` first waits (without a timeout) for every process's log
@@ -157,14 +157,7 @@ async def process_mesh(n: int, stop_timeout_s: float = 30.0) -> AsyncIterator[Me
 
 def running(pids: list[int]) -> list[int]:
     """Those of `pids` whose process still exists (a zombie, exited but not yet reaped, counts as gone)."""
-    alive = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
+    return [pid for pid in pids if alive(pid)]
 
 
 async def endpoint_round_trip(actor: Any, repeats: int = 7, warmup: int = 3) -> float:
