@@ -181,9 +181,10 @@ def test_kill_and_resume_is_bitwise_equal_to_uninterrupted(tmp_path, nproc):
         out=["result"],
         **QUIET,
     )
-    assert len(result.attempts) == 2
+    why = (result.attempts[0].failures, result.agent_log[-1500:])  # what ended attempt 0, if not the kill
+    assert len(result.attempts) == 2, why
     results = result.values["result"]
-    assert [r["resumed_from"] for r in results] == [4] * nproc  # the checkpoint of step 4, not 8 (never reached)
+    assert [r["resumed_from"] for r in results] == [4] * nproc, why  # the checkpoint of step 4, not 8 (never reached)
     assert [r["bitwise_equal"] for r in results] == [True] * nproc
     log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert [(e["attempt"], e["step"]) for e in log] == [(0, s) for s in range(6)] + [(1, s) for s in range(4, 12)]
