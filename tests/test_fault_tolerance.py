@@ -76,3 +76,23 @@ def test_step_losses_average_the_replicas_that_trained():
     log_b = [{"event": "step", "step": 0, "healed": False, "loss": 3.0}, {"event": "pause", "step": 1}]
     log_c = [{"event": "step", "step": 1, "healed": True, "loss": None}]
     assert ck.step_losses([log_a, log_b, log_c]) == {0: 2.0, 1: 0.5}
+
+
+def test_replicas_wait_for_what_the_lighthouse_has_received():
+    from datetime import timedelta
+
+    from torchft.coordination import LighthouseClient
+
+    from course_lib.checkpoint.fault_tolerance import wait_at_lighthouse
+    from course_lib.checkpoint.replicas import _lighthouse
+
+    server, address = _lighthouse()
+    try:
+        client = LighthouseClient(address, timedelta(seconds=5))
+        client.heartbeat("a")
+        client.heartbeat("b")
+        wait_at_lighthouse(address, "2 replicas", lambda _, beating: beating >= 2, 5)  # returns: both heartbeat
+        with pytest.raises(TimeoutError, match=r"a replica asking to join; it says \[0/0 participants healthy\]"):
+            wait_at_lighthouse(address, "a replica asking to join", lambda asking, _: asking >= 1, 0.3)
+    finally:
+        server.shutdown()

@@ -13,6 +13,7 @@ import os
 import re
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import nbformat
 import pytest
@@ -261,9 +262,15 @@ def test_every_nproc_from_1_to_8_runs_or_is_refused_at_once(path, probe_kernel):
 
 
 def test_runner_names_a_rank_only_for_rank_errors():
-    from types import SimpleNamespace
-
     from_ranks = SimpleNamespace(exec_count=5, ename="RankFailedError", evalue="rank 1 raised ValueError")
     in_kernel = SimpleNamespace(exec_count=3, ename="ParameterError", evalue="rank 1 is the server, NPROC >= 2")
     assert runner.describe_failure(Path("x.ipynb"), from_ranks) == "cell 5, rank 1: RankFailedError"
     assert runner.describe_failure(Path("x.ipynb"), in_kernel) == "cell 3: ParameterError"
+
+
+def test_runner_prints_the_failing_cells_message_under_the_table(capsys):
+    long = SimpleNamespace(evalue="\n".join(f"line {i}" for i in range(40)))
+    assert runner.failure_message(long, lines=3) == "...\nline 37\nline 38\nline 39"
+    failed = runner.Outcome("06_checkpointing", "FAILED", 1.0, "cell 40: AssertionError", message="{10: 'trained'}")
+    runner.print_table([failed, runner.Outcome("07_tensor_parallel", "ok", 1.0)])
+    assert "06_checkpointing, cell 40: AssertionError:\n  {10: 'trained'}\n" in capsys.readouterr().out

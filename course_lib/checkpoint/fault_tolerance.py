@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -60,11 +62,25 @@ def _log(root: Path, replica: int, entry: dict) -> None:
         f.write(json.dumps({**entry, "time": time.time()}) + "\n")
 
 
-def _wait_for_file(path: Path, limit_s: float) -> None:
+def wait_at_lighthouse(lighthouse: str, what: str, ready: Callable[[int, int], bool], limit_s: float) -> None:
+    """Poll the lighthouse's status page until ``ready(asking, heartbeating)``: how many live replicas are asking
+    for the next quorum now, and how many send heartbeats.
+
+    Why the lighthouse and not a file beside it: a replica is in the quorum's reckoning only once the lighthouse
+    has *received* its heartbeat or its request, which comes later than anything the replica writes itself.
+    """
+    import urllib.request
+
     deadline = time.monotonic() + limit_s
-    while not path.exists():
+    while True:
+        with urllib.request.urlopen(f"{lighthouse}/status", timeout=limit_s) as page:
+            status = re.search(r"\[(\d+)/\d+ participants healthy\]\[(\d+) heartbeating\]", page.read().decode())
+        if status is None:
+            raise RuntimeError(f"the lighthouse's status page at {lighthouse}/status no longer says who is asking")
+        if ready(int(status[1]), int(status[2])):
+            return
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{path.name} did not appear within {limit_s:.0f} s")
+            raise TimeoutError(f"waited {limit_s:.0f} s at the lighthouse for {what}; it says {status[0]}")
         time.sleep(0.05)
 
 
@@ -117,9 +133,10 @@ def train_replica(
 
     Each step's global batch (:func:`~course_lib.checkpoint.train.batch_for_step`) is split over the replicas of
     that step's quorum, so the mathematics does not depend on how many take part. ``pause_at``: stop before that
-    step and wait to be killed. ``wait_for_rejoin_at``: before that step, wait until a rejoining replica asks to
-    join (the run's events then land on the same steps every time). Logs one JSON line per committed step to
-    ROOT/replica_<r>.jsonl and saves the final weights to ROOT/replica_<r>.pt.
+    step and wait to be killed. ``wait_for_rejoin_at``: before that step, wait until the lighthouse has a rejoining
+    replica's request to join. (Without it the newcomer joins at the first step it asks before the others: when every
+    member of the previous quorum asks, the lighthouse answers at once, a *fast quorum* that waits for no one else.)
+    Logs one JSON line per committed step to ROOT/replica_<r>.jsonl and saves the final weights to ROOT/replica_<r>.pt.
     """
     from torchft import DistributedDataParallel, Optimizer
 
@@ -135,20 +152,16 @@ def train_replica(
     optimizer = Optimizer(manager, adam)
     data = regression(n=480)
     _log(root, replica, {"event": "start", "pid": os.getpid()})
-    if rejoining:
-        (root / "rejoining").touch()
-    else:  # the first replicas start together: every one is up before the first quorum
-        (root / f"ready_{replica}").touch()
-        for other in range(replicas):
-            _wait_for_file(root / f"ready_{other}", limit_s)
+    if not rejoining:  # the first replicas start together: every one heartbeats before the first quorum
+        wait_at_lighthouse(lighthouse, f"{replicas} replicas", lambda _, beating: beating >= replicas, limit_s)
     while manager.current_step() < total_steps:
         step = manager.current_step()
         if step == pause_at:
             _log(root, replica, {"event": "pause", "step": step})
             time.sleep(limit_s)
             raise TimeoutError(f"replica {replica} was not killed within {limit_s:.0f} s")
-        if step == wait_for_rejoin_at:
-            _wait_for_file(root / "rejoining", limit_s)
+        if step == wait_for_rejoin_at:  # the newcomer must ask first: see wait_for_rejoin_at above
+            wait_at_lighthouse(lighthouse, "a replica asking to join", lambda asking, _: asking >= 1, limit_s)
         optimizer.zero_grad()  # starts this step's quorum
         participants, rank = manager.num_participants(), manager.participating_rank()
         x, y = batch_for_step(data, step, GLOBAL_BATCH, rank or 0, participants)

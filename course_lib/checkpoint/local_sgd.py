@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from course_lib.checkpoint.fault_tolerance import GLOBAL_BATCH, _manager, _wait_for_file
+from course_lib.checkpoint.fault_tolerance import GLOBAL_BATCH, _manager, wait_at_lighthouse
 
 SYNC_RUNS = {
     "DDP": ("ddp", 1),
@@ -61,10 +61,8 @@ def train_synced(
         inner = torch.optim.Adam(model.parameters(), lr=1e-2)
         # DiLoCo requires a synchronous quorum (at the synchronisation, not during the steps)
         manager, group, _store = _manager(lighthouses[name], replica, model, inner, use_async_quorum=method == "ddp")
-        ready = f"ready_{len(result)}"
-        (root / f"{ready}_{replica}").touch()  # every manager is up (heartbeating) before the first quorum
-        for other in range(replicas):
-            _wait_for_file(root / f"{ready}_{other}", limit_s)
+        # every manager heartbeats before the first quorum, which would otherwise form without the later one
+        wait_at_lighthouse(lighthouses[name], f"{replicas} replicas", lambda _, beating: beating >= replicas, limit_s)
         forward: torch.nn.Module = model
         optimizer: torch.optim.Optimizer = inner
         algorithm: Any = contextlib.nullcontext()

@@ -46,6 +46,7 @@ class Outcome:
     detail: str = ""  # the failing cell and rank, or why the notebook was skipped
     nproc: str = "-"  # the NPROC it ran with, as the table shows it
     backend: str = "-"  # the backend of its NPROC-rank cells
+    message: str = ""  # the failing cell's error message, printed under the table (the run's folder may be gone)
 
     @property
     def ok(self) -> bool:
@@ -118,6 +119,12 @@ def describe_failure(output_nb: Path, error: BaseException) -> str:
     return f"{where}{rank}: {ename}"
 
 
+def failure_message(error: BaseException, lines: int = 25) -> str:
+    """The error's message as the cell printed it, cut to its last `lines` lines (a rank's traceback ends there)."""
+    text = str(getattr(error, "evalue", error)).rstrip().splitlines()
+    return "\n".join((["..."] if len(text) > lines else []) + text[-lines:])
+
+
 def strip_run_metadata(nb: Any) -> None:  # an nbformat NotebookNode
     """Make stored outputs deterministic: no papermill timing, no injected cells."""
     nb.metadata.pop("papermill", None)
@@ -168,7 +175,9 @@ def run_notebook(path: Path, output: Path, parameters: dict, timeout: float, pro
             kernel_manager_class=ipc_kernel_manager(),  # passed on to nbclient's NotebookClient
         )
     except pm.PapermillExecutionError as error:
-        return Outcome(path.stem, "FAILED", time.monotonic() - start, describe_failure(output, error))
+        outcome = Outcome(path.stem, "FAILED", time.monotonic() - start, describe_failure(output, error))
+        outcome.message = failure_message(error)
+        return outcome
     except Exception as error:  # kernel died, timeout, bad notebook: still one row of the table
         return Outcome(path.stem, "FAILED", time.monotonic() - start, f"{type(error).__name__}: {error}"[:120])
     return Outcome(path.stem, "ok", time.monotonic() - start)
@@ -183,6 +192,9 @@ def print_table(outcomes: list[Outcome]) -> None:
             f"{o.notebook:<{width}}  {o.status:<7}  {o.nproc:>5}  {o.backend:<{backend_width}}  "
             f"{o.seconds:7.1f}  {o.detail}"
         )
+    for o in outcomes:
+        if o.message:
+            print(f"\n{o.notebook}, {o.detail}:\n" + "\n".join(f"  {line}" for line in o.message.splitlines()))
     failed = sum(o.status == "FAILED" for o in outcomes)
     skipped = sum(o.status == "skipped" for o in outcomes)
     print(f"\n{len(outcomes) - failed - skipped} passed, {failed} failed" + (f", {skipped} skipped" if skipped else ""))
