@@ -14,8 +14,7 @@ import torch.distributed as dist
 from course_lib.collectives import ring
 from course_lib.collectives.ring import chunk_sizes
 from course_lib.exercises import ExerciseFailed, expect_equal, refusing
-from course_lib.launch.runtime import rank_device
-from course_lib.process_groups.calls import (
+from course_lib.exercises.calls import (
     COLLECTIVES,
     NONBLOCKING_P2P,
     gather_reports,
@@ -24,6 +23,7 @@ from course_lib.process_groups.calls import (
     secret_values,
     side_group,
 )
+from course_lib.launch.runtime import rank_device
 
 _POINT_TO_POINT_ONLY = "use dist.send/recv, isend/irecv or batch_isend_irecv"
 _COURSE_RING = (  # what section 4 shows after the exercises: the answer, not a way to it

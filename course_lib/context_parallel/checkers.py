@@ -17,9 +17,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from course_lib.context_parallel.ring_attention import Ring, RingAttention, ring_attention
 from course_lib.exercises import ExerciseFailed, expect_equal, refusing
+from course_lib.exercises.calls import (
+    BLOCKING_P2P,
+    COLLECTIVES,
+    NONBLOCKING_P2P,
+    gather_reports,
+    record_calls,
+    run_bounded,
+    side_group,
+)
 from course_lib.launch.runtime import rank_device
-from course_lib.process_groups import gather_reports, record_calls, run_bounded, side_group
-from course_lib.process_groups.calls import BLOCKING_P2P, COLLECTIVES, NONBLOCKING_P2P
 
 _TIMEOUT_S = 8.0  # a ring that deadlocks fails after this long
 _RING_ONLY = "pass the K/V blocks around the ring with dist.send/recv, isend/irecv or batch_isend_irecv"

@@ -1,23 +1,15 @@
 """Notebook 00: process groups and torchrun.
 
 health    health_check: an all-reduce of ones that every rank must see sum to the world size
-calls     what checkers use to see communication: record the dist calls, bound a hang, gather reports
 checkers  the exercises' checkers (the solutions are in notebooks/solutions/00_torchrun_and_process_groups.py)
 """
 
-from course_lib.process_groups.calls import Call, gather_reports, record_calls, run_bounded, secret_values, side_group
 from course_lib.process_groups.checkers import check_gather_values, check_mean_loss, check_rank_sum
 from course_lib.process_groups.health import health_check
 
 __all__ = [
-    "Call",
     "check_gather_values",
     "check_mean_loss",
     "check_rank_sum",
-    "gather_reports",
     "health_check",
-    "record_calls",
-    "run_bounded",
-    "secret_values",
-    "side_group",
 ]

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from course_lib.exercises import ExerciseFailed, expect_equal
+from course_lib.exercises.calls import gather_reports, record_calls, run_bounded, secret_values, side_group
 from course_lib.launch.runtime import rank_device
-from course_lib.process_groups.calls import gather_reports, record_calls, run_bounded, secret_values, side_group
 
 _CALLS = 3  # each checker calls the learner's function this many times, with new secrets every time
 

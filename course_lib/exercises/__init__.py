@@ -10,7 +10,7 @@ In the notebook::
 function in the technique's package, imported there by its module and name) calls it, compares with the reference
 solution and raises :class:`ExerciseFailed` naming what is wrong. A function
 whose body is still the stub (``raise NotImplementedError``) is reported as
-not attempted, without running anything.
+not attempted, without running anything. ``calls`` holds what the checkers use to see the learner's communication.
 """
 
 from __future__ import annotations
@@ -213,3 +213,15 @@ def _show(text: str, metadata: dict) -> None:
     from IPython.display import publish_display_data
 
     publish_display_data({"text/plain": text}, metadata=metadata)
+
+
+__all__ = [
+    "PREDICTION_METADATA",
+    "ExerciseFailed",
+    "calls_into",
+    "check",
+    "check_prediction",
+    "expect_equal",
+    "is_stub",
+    "refusing",
+]

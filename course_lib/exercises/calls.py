@@ -44,6 +44,7 @@ COLLECTIVES = (
 )
 BLOCKING_P2P = ("send", "recv")
 NONBLOCKING_P2P = ("isend", "irecv", "batch_isend_irecv")
+COMMUNICATION = COLLECTIVES + BLOCKING_P2P + NONBLOCKING_P2P  # every call record_calls sees
 
 
 @dataclass
@@ -71,8 +72,7 @@ class record_calls:
     calls: list[Call] = field(default_factory=list)
 
     def __enter__(self) -> list[Call]:
-        names = COLLECTIVES + BLOCKING_P2P + NONBLOCKING_P2P
-        self._saved = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
+        self._saved = {name: getattr(dist, name) for name in COMMUNICATION if hasattr(dist, name)}
         self._saved["P2POp"] = original_op = dist.P2POp
         blocked = set(self.forbidden)
         for name, original in list(self._saved.items())[:-1]:
