@@ -5,8 +5,8 @@
     backend    'auto' -> gloo or nccl, in one place
     launcher   launch(): writes the run directory, starts torchrun, waits, reports; standalone_script
     processes  the torchrun agent and the ranks: started, watched, every one ended
-    output     rank output (grouped or streamed), --out values, RunResult
-    failures   which rank failed and how: RankFailedError, RunTimeoutError
+    output     rank output (grouped or streamed), --out values
+    failures   what a run returns (RunResult) and which rank failed and how: RankFailedError, RunTimeoutError
     worker     what torchrun starts on each rank (not imported here: torchrun runs it as __main__)
     runtime    the process group inside a rank
     runner     executes whole notebooks with papermill
@@ -15,9 +15,8 @@ Importing this package does not import torch (a rank imports it before recording
 """
 
 from course_lib.launch.backend import BACKENDS, LaunchError, available_gpus, resolve_backend
-from course_lib.launch.failures import RankFailedError, RankFailure, RunTimeoutError
+from course_lib.launch.failures import RankFailedError, RankFailure, RunResult, RunTimeoutError
 from course_lib.launch.launcher import launch, standalone_script
-from course_lib.launch.output import RunResult
 from course_lib.launch.spec import DEFAULT_TIMEOUT_S, RunSpec
 
 __all__ = [

@@ -1,4 +1,5 @@
-"""Which rank failed, how, and why: the errors a failing cell raises and the message they carry.
+"""What a run returns (RunResult: its attempts, each rank's output and failures) and, when a rank failed, which, how
+and why: the errors a failing cell raises and the message they carry.
 
 A rank that raises leaves torchelastic's error file (the exception and the cell line); a rank that
 dies without raising (a signal, os._exit) leaves only traces in the agent's log and a pid without a
@@ -10,12 +11,11 @@ from __future__ import annotations
 import json
 import re
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from course_lib.launch.output import Attempt, RunResult
     from course_lib.launch.spec import RunDir, RunSpec
 
 CELL_NAME = "<torchrun cell>"  # how tracebacks and output name the cell's file
@@ -28,6 +28,29 @@ class RankFailure:
     summary: str  # e.g. "ValueError: boom" or "killed by SIGKILL"
     traceback: str = ""
     cell_line: int | None = None
+
+
+@dataclass
+class Attempt:
+    index: int
+    stdout: dict[int, str] = field(default_factory=dict)
+    stderr: dict[int, str] = field(default_factory=dict)
+    failures: list[RankFailure] = field(default_factory=list)
+
+
+@dataclass
+class RunResult:
+    nproc: int
+    backend: str
+    attempts: list[Attempt]
+    values: dict[str, list[Any]]
+    wall_s: float
+    agent_log: str
+
+    @property
+    def stdout(self) -> dict[int, str]:
+        """Each rank's stdout in the last attempt."""
+        return self.attempts[-1].stdout if self.attempts else {}
 
 
 class RankFailedError(RuntimeError):

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from course_lib.launch import failures, output, processes
-from course_lib.launch.failures import RankFailedError, RunTimeoutError
-from course_lib.launch.output import RunResult, Write, print_to_notebook
+from course_lib.launch.failures import RankFailedError, RunResult, RunTimeoutError
+from course_lib.launch.output import Write, print_to_notebook
 from course_lib.launch.spec import DEFAULT_TIMEOUT_S, RunDir, RunSpec
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""What comes back from the ranks: their output, their --out values, the result of a run.
+"""What comes back from the ranks: their output and their --out values (the result types are in failures).
 
 Rank output is read from torchrun's per-rank log files (default: printed after the run, grouped
 by rank) or from torchrun's ``--tee`` stream (``stream=True``: live, ``[rank N]`` prefixed).
@@ -11,11 +11,10 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from course_lib.launch.failures import CELL_NAME, RankFailure, failure_from_error_file
+from course_lib.launch.failures import CELL_NAME, Attempt, RankFailure, failure_from_error_file
 from course_lib.launch.spec import RunDir, RunSpec
 
 Write = Callable[[str, str], None]  # write(text, "stdout" | "stderr")
@@ -31,29 +30,6 @@ _NOISE = [
         r"^\s*$",
     )
 ]
-
-
-@dataclass
-class Attempt:
-    index: int
-    stdout: dict[int, str] = field(default_factory=dict)
-    stderr: dict[int, str] = field(default_factory=dict)
-    failures: list[RankFailure] = field(default_factory=list)
-
-
-@dataclass
-class RunResult:
-    nproc: int
-    backend: str
-    attempts: list[Attempt]
-    values: dict[str, list[Any]]
-    wall_s: float
-    agent_log: str
-
-    @property
-    def stdout(self) -> dict[int, str]:
-        """Each rank's stdout in the last attempt."""
-        return self.attempts[-1].stdout if self.attempts else {}
 
 
 def print_to_notebook(text: str, stream: str) -> None:
