@@ -175,9 +175,8 @@ def run_notebook(path: Path, output: Path, parameters: dict, timeout: float, pro
             kernel_manager_class=ipc_kernel_manager(),  # passed on to nbclient's NotebookClient
         )
     except pm.PapermillExecutionError as error:
-        outcome = Outcome(path.stem, "FAILED", time.monotonic() - start, describe_failure(output, error))
-        outcome.message = failure_message(error)
-        return outcome
+        detail, message = describe_failure(output, error), failure_message(error)
+        return Outcome(path.stem, "FAILED", time.monotonic() - start, detail, message=message)
     except Exception as error:  # kernel died, timeout, bad notebook: still one row of the table
         return Outcome(path.stem, "FAILED", time.monotonic() - start, f"{type(error).__name__}: {error}"[:120])
     return Outcome(path.stem, "ok", time.monotonic() - start)
