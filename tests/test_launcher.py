@@ -22,10 +22,12 @@ from course_lib.launch import (
     RunSpec,
     RunTimeoutError,
     backend,
+    failures,
     launch,
     processes,
     standalone_script,
 )
+from course_lib.launch.failures import Attempt, RankFailure, RunResult
 from course_lib.launch.spec import RunDir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -223,6 +225,33 @@ def test_max_restarts_restarts_the_group_after_a_real_process_death():
     assert result.values["attempt"] == [1, 1]
     assert "--- attempt 1 ---" in out.stdout
     assert "attempt 0 failed: rank 1 " in out.stdout  # the rank that died, not the peer that lost it
+
+
+def test_an_agent_that_fails_itself_is_named_with_its_log():
+    """torchrun's agent ended by a signal does not restart the group, and no rank raised: the error says so and
+    quotes the agent's log, the only place that says why. With a rank that died first and a restart left
+    (the kill-and-resume lesson's case), the error names the rank and the agent's log too."""
+    agent_stopped = (
+        "import os, signal, time\nif rank == 0:\n    os.kill(os.getppid(), signal.SIGTERM)\ntime.sleep(30)\n"
+    )
+    with pytest.raises(RankFailedError) as failed:
+        launch(agent_stopped, 2, backend="gloo", max_restarts=1, timeout=60, write=lambda text, stream: None)
+    message = str(failed.value)
+    assert message.startswith("torchrun's agent exited (code 1) while no rank had failed; its log ends:"), message
+    assert "got signal: 15" in message, message
+
+    # the kill-and-resume lesson's case: a rank died first, then the agent failed instead of restarting
+    died = RankFailure(1, "signal", "died without raising an exception (killed by a signal, or os._exit)")
+    result = RunResult(
+        2, "gloo", [Attempt(0, failures=[died])], {}, 1.0, "agent line\nSignalException: got signal: 15\n"
+    )
+    message = str(failures.failed_error(1, result, [], max_restarts=1))
+    assert message.startswith("rank 1 died without raising"), message
+    assert message.endswith(
+        "torchrun's agent exited (code 1) after 0 of its 1 restarts, without restarting the group; its log ends:\n"
+        "agent line\nSignalException: got signal: 15"
+    ), message
+    assert "agent's" not in str(failures.failed_error(1, result, [], max_restarts=0))  # it gave up: ranks say why
 
 
 def test_no_init_leaves_the_group_to_the_cell_but_says_where_it_runs():

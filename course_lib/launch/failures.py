@@ -180,13 +180,28 @@ def describe(failures: list[RankFailure], cell_source: list[str]) -> str:
     return text
 
 
-def failed_error(returncode: int, result: RunResult, cell_source: list[str]) -> RankFailedError:
-    """The error for a run whose agent exited with `returncode` != 0."""
+def failed_error(returncode: int, result: RunResult, cell_source: list[str], max_restarts: int = 0) -> RankFailedError:
+    """The error for a run whose agent exited with `returncode` != 0.
+
+    An agent that exits with restarts left, or with no rank failed, did not give up on the ranks: it failed itself
+    (a signal, an error of its own), and only its log says why, so the message ends with the log's last lines.
+    """
     failures = final_failures(result.attempts, result.agent_log)
-    if not failures:
-        tail = "\n".join(result.agent_log.strip().splitlines()[-15:])
-        return RankFailedError(f"torchrun failed before the ranks ran (exit {returncode}):\n{tail}", [], result)
-    return RankFailedError(describe(failures, cell_source), failures, result)
+    tail = "\n".join(result.agent_log.strip().splitlines()[-15:])
+    used = len(result.attempts) - 1
+    if failures:
+        message = describe(failures, cell_source)
+        if used >= max_restarts:
+            return RankFailedError(message, failures, result)
+        message += (
+            f"\ntorchrun's agent exited (code {returncode}) after {used} of its {max_restarts} restarts, "
+            f"without restarting the group; its log ends:\n{tail}"
+        )
+    elif result.attempts:
+        message = f"torchrun's agent exited (code {returncode}) while no rank had failed; its log ends:\n{tail}"
+    else:
+        message = f"torchrun failed before the ranks ran (exit {returncode}):\n{tail}"
+    return RankFailedError(message, failures, result)
 
 
 def timeout_error(spec: RunSpec, running: list[int], killed: int, result: RunResult) -> RunTimeoutError:

@@ -97,7 +97,7 @@ def _run(spec: RunSpec, run: RunDir, body: str, push: dict[str, Any], write: Wri
     if timed_out:
         raise failures.timeout_error(spec, running, killed, result)
     if proc.returncode != 0:
-        raise failures.failed_error(proc.returncode, result, body.splitlines())
+        raise failures.failed_error(proc.returncode, result, body.splitlines(), spec.max_restarts)
     return result
 
 
