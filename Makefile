@@ -27,7 +27,8 @@ course: $(STAMP)      ## execute every notebook into build/course/ and print a s
 test: $(STAMP)        ## unit tests of course_lib, and nbval: every notebook once, at its default parameters
 	$(PY) -m pytest tests notebooks $(NBVAL) -m "not notebook" --ignore=tests/browser $(XDIST) --dist loadfile $(ARGS)
 
-# NPROCS: the world sizes test-ranks runs every notebook at (1,2,4,8 is the full sweep; CI runs 1 and 4).
+# NPROCS: the world sizes test-ranks runs every notebook at (1,2,4,8 is the full sweep; CI runs 1 and 4),
+# each but the notebook's own NPROC, at which nbval in `make test` runs it.
 NPROCS ?= 1,4
 test-ranks: $(STAMP)  ## every notebook under papermill at each of NPROCS: it runs there (its own assertions hold) or refuses at once
 	TEST_NPROCS=$(NPROCS) $(PY) -m pytest -m notebook tests/test_notebooks.py $(XDIST) --dist load $(ARGS)

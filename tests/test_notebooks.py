@@ -37,13 +37,30 @@ def outputs_text(nb) -> list[str]:
 
 # `make test-ranks` runs every notebook end to end at each NPROC of TEST_NPROCS (default 1 and 4; CI's choice):
 # it runs there, its own assertions holding at that world size, or its first cells refuse it at once.
+# Not at the notebook's own NPROC: nbval (`make test`) runs it there already, and compares every output.
 RANK_COUNTS = [int(n) for n in os.environ.get("TEST_NPROCS", "1,4").split(",")]
+
+
+def default_nproc(nb) -> int:
+    """The NPROC a notebook's parameters cell sets."""
+    parameters, _ = probe.setup_cells(nb)
+    for node in ast.parse(parameters).body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", "") for t in node.targets] == ["NPROC"]:
+            return ast.literal_eval(node.value)
+    raise ValueError("the parameters cell sets no NPROC")
+
+
+OTHER_NPROCS = [
+    pytest.param(path, n, id=f"{path.stem}-{n}")
+    for path in NOTEBOOKS
+    for n in RANK_COUNTS
+    if n != default_nproc(nbformat.read(path, as_version=4))
+]
 
 
 @pytest.mark.notebook
 @pytest.mark.timeout(1800)  # a whole notebook (13 at NPROC 4 took over 300 s in CI); a hung cell fails first, at 600 s
-@pytest.mark.parametrize("nproc", RANK_COUNTS)
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+@pytest.mark.parametrize("path, nproc", OTHER_NPROCS)
 def test_notebook_runs_at_nproc_or_refuses_it_at_once(path, nproc, tmp_path, probe_kernel):
     name, message, _ = probe.Setup(nbformat.read(path, as_version=4), probe_kernel).run(NPROC=nproc)
     probe_kernel.close()  # not needed beside the notebook's own kernel
