@@ -227,6 +227,31 @@ def test_max_restarts_restarts_the_group_after_a_real_process_death():
     assert "attempt 0 failed: rank 1 " in out.stdout  # the rank that died, not the peer that lost it
 
 
+def test_a_rank_stopped_while_it_records_its_error_does_not_stop_the_restart():
+    """When rank 1 dies, the agent stops rank 0 and reads its error file: here rank 0 is caught mid-write (its
+    json.dump never returns). An error file cut short would make the agent raise instead of restarting (the
+    kill-and-resume lesson once ended so); written beside its name and renamed, it is whole or absent."""
+    body = textwrap.dedent("""
+        import json, os, signal, time
+        attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+        if attempt == 0 and rank == 0:
+            def dump_and_hang(data, file):  # the first bytes, then the agent's SIGTERM arrives
+                file.write('{"message": ')
+                file.flush()
+                time.sleep(60)
+            json.dump = dump_and_hang
+            raise RuntimeError("rank 0 lost its peer")
+        if attempt == 0 and rank == 1:
+            time.sleep(2)  # rank 0 is writing by now
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.barrier()
+    """)
+    result = launch(body, 2, backend="gloo", max_restarts=1, timeout=120, out=["attempt"], write=lambda t, s: None)
+    assert [a.index for a in result.attempts] == [0, 1], result.agent_log[-2000:]
+    assert result.values["attempt"] == [1, 1]
+    assert "Failed to parse reply file" not in result.agent_log
+
+
 def test_an_agent_that_fails_itself_is_named_with_its_log():
     """torchrun's agent ended by a signal does not restart the group, and no rank raised: the error says so and
     quotes the agent's log, the only place that says why. With a rank that died first and a restart left
@@ -448,12 +473,31 @@ def test_magic_puts_values_in_the_notebook_and_expands_variables(shell):
     assert [v.item() for v in shell.user_ns["y"]] == [0.0, 2.0, 4.0]
 
 
-@pytest.mark.parametrize("content", ["", '{"message": {"message": "ValueError: bo'])
-def test_an_error_file_cut_short_reads_as_a_stopped_rank(tmp_path, content):
-    """torchrun may end a rank while it writes its error file: the run is still reported, not a JSONDecodeError."""
-    from course_lib.launch.failures import failure_from_error_file
+def test_an_error_file_is_whole_or_absent(tmp_path, monkeypatch):
+    """A rank ended while it writes its error file leaves no file at the name the agent reads; a whole one reads
+    back as the exception and the cell's line."""
+    import json
 
+    from course_lib.launch.failures import failure_from_error_file
+    from course_lib.launch.worker import write_error_file
+
+    cell = tmp_path / "cell.py"
+    cell.write_text("x = 1\nraise ValueError('boom')\n")
+    try:
+        exec(compile(cell.read_text(), str(cell), "exec"), {})
+    except ValueError as error:
+        raised = error
     path = tmp_path / "error.json"
-    path.write_text(content)
-    failure = failure_from_error_file(2, path, str(tmp_path / "cell.py"))
-    assert (failure.rank, failure.kind) == (2, "stopped"), failure
+
+    def cut_short(data, file):
+        file.write('{"message": ')
+        raise KeyboardInterrupt  # stands in for the signal that ends the rank mid-write
+
+    monkeypatch.setattr(json, "dump", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        write_error_file(raised, str(path))
+    assert not path.exists()
+    monkeypatch.undo()
+    write_error_file(raised, str(path))
+    failure = failure_from_error_file(2, path, str(cell))
+    assert (failure.rank, failure.kind, failure.summary, failure.cell_line) == (2, "raised", "ValueError: boom", 2)

@@ -77,15 +77,9 @@ class RunTimeoutError(RankFailedError, TimeoutError):
 
 
 def failure_from_error_file(rank: int, path: Path, cell_file: str) -> RankFailure:
-    """The exception a rank recorded in torchelastic's error file, with its innermost cell line.
-
-    The file is written in place, not atomically: a rank that torchrun ends while it writes leaves it
-    empty or cut short. Such a rank was stopped after another one failed, and is reported so.
-    """
-    try:
-        data = json.loads(path.read_text())["message"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return RankFailure(rank, "stopped", "was stopped by torchrun while it recorded its error")
+    """The exception a rank recorded in torchelastic's error file (worker.write_error_file), with its innermost
+    cell line."""
+    data = json.loads(path.read_text())["message"]
     callstack = data["extraInfo"]["py_callstack"]
     lines = [int(m) for m in re.findall(rf'File "{re.escape(cell_file)}", line (\d+)', callstack)]
     cell_line = lines[-1] if lines else None  # innermost frame inside the cell

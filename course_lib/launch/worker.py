@@ -129,13 +129,36 @@ def main(run: RunDir) -> None:
 def record_and_exit(exc: BaseException, cell_file: str) -> None:
     """Write the torchelastic error file (the launcher reads it) and end this rank."""
     trim_to_cell(exc, cell_file)
-    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
-    ErrorHandler().record_exception(exc)
+    write_error_file(exc, os.environ.get("TORCHELASTIC_ERROR_FILE"))
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown: a live process group aborts the process there.
     os._exit(1)
+
+
+def write_error_file(exc: BaseException, path: str | None) -> None:
+    """torchelastic's error file for `exc` (what ErrorHandler.record_exception writes), whole or not at all.
+
+    Once one rank fails, the agent stops the others and reads the error file of each: a file cut short by
+    that stop (a peer that lost the failed rank, caught writing its own error) makes the agent raise instead
+    of restarting the group. So the file is written beside its name and renamed into place.
+    """
+    import json
+    import traceback
+
+    if path is None:  # not started by torchrun: the traceback goes to stderr
+        traceback.print_exception(exc)
+        return
+    data = {
+        "message": {
+            "message": f"{type(exc).__name__}: {exc}",
+            "extraInfo": {"py_callstack": "".join(traceback.format_exception(exc)), "timestamp": str(int(time.time()))},
+        }
+    }
+    partial = f"{path}.partial"
+    with open(partial, "w") as file:
+        json.dump(data, file)
+    os.replace(partial, path)
 
 
 if __name__ == "__main__":
