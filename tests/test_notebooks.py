@@ -96,8 +96,8 @@ def test_stored_notebook_is_clean(path):
 # ---- predict, then see: nothing above a prediction shows its answer -----------------------------
 
 
-def predictions(nb) -> list[tuple[int, str, float]]:
-    """(prompt cell, name, measured) of each check_prediction verdict: the prompt is the cell that sets the
+def predictions(nb) -> list[tuple[int, str, float, str]]:
+    """(prompt cell, name, measured, unit) of each check_prediction verdict: the prompt is the cell that sets the
     learner's variable (``predicted_x = None``), the measured value comes from the verdict's output metadata."""
     found = []
     for cell in nb.cells:
@@ -114,7 +114,7 @@ def predictions(nb) -> list[tuple[int, str, float]]:
             variable = calls[0].args[1].id
             prompts = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and sets_to_none(c.source, variable)]
             assert len(prompts) == 1, f"{variable} = None should be set in one cell, found {prompts}"
-            found.append((prompts[0], verdict["name"], verdict["measured"]))
+            found.append((prompts[0], verdict["name"], verdict["measured"], verdict.get("unit", "")))
     return found
 
 
@@ -162,16 +162,22 @@ def page_text(cell) -> str:
     return "\n".join(t if isinstance(t, str) else "".join(t) for t in texts)
 
 
+DURATION_UNITS = ("ns", "us", "µs", "ms", "s")
+
+
 def answers_shown_too_early(nb, *, require_distinct: bool = False) -> list[str]:
     """Each prediction whose measured value appears, in any rendering, in a cell up to its prompt."""
     problems = []
-    for prompt, name, measured in predictions(nb):
+    for prompt, name, measured, unit in predictions(nb):
         forms = renderings(measured)
         if require_distinct and not forms:
             problems.append(f"{name}: the answer {measured:g} is too short to tell apart from other numbers")
         above = "\n".join(page_text(cell) for cell in nb.cells[: prompt + 1])
+        # A duration printed above ("plain 29.1 ms") is a timing that varies run to run, not a byte count or a
+        # FLOP count rendered: it hides the answer only when the answer is itself a time.
+        not_a_duration = "" if unit in DURATION_UNITS else rf"(?!\s?(?:{'|'.join(DURATION_UNITS)})\b)"
         for form in sorted(forms):
-            match = re.search(rf"(?<![\d.,])(?<!\d[.,]){re.escape(form)}(?!\d|[.,]\d)", above)
+            match = re.search(rf"(?<![\d.,])(?<!\d[.,]){re.escape(form)}(?!\d|[.,]\d){not_a_duration}", above)
             if match:
                 context = above[max(0, match.start() - 60) : match.end() + 20].replace("\n", " ")
                 problems.append(
@@ -202,6 +208,13 @@ def test_a_prediction_shown_too_early_is_caught():
     assert problem.startswith("bytes: its answer 226176 shows above the prompt (cell 1) as 'measure() DP 226.2 kB")
     late = nbformat.v4.new_notebook(cells=[prompt, measure, check_cell])
     assert answers_shown_too_early(late) == []
+    # a timing that happens to read like the answer scaled ("226.2 ms" beside 226176 B) does not give it away,
+    # unless the answer is a time
+    timing = nbformat.v4.new_code_cell("time()", outputs=[nbformat.v4.new_output("stream", text="step 226.2 ms\n")])
+    assert answers_shown_too_early(nbformat.v4.new_notebook(cells=[timing, prompt, check_cell])) == []
+    verdict["metadata"][PREDICTION_METADATA]["unit"] = "ms"
+    check_cell.outputs[0].metadata = verdict["metadata"]
+    assert len(answers_shown_too_early(nbformat.v4.new_notebook(cells=[timing, prompt, check_cell]))) == 1
     assert renderings(3.0) == set() and "11%" in renderings(1 / 9) and "2.50" in renderings(2.5e9)
 
 

@@ -196,7 +196,7 @@ def check_prediction(
                 f"✗ {name}: {predicted:g}{unit} is {abs(error):.0%} too {direction}; check the formula and try again"
             )
             result = False
-    _show(verdict, metadata={PREDICTION_METADATA: {"name": name, "measured": float(actual)}})
+    _show(verdict, metadata={PREDICTION_METADATA: {"name": name, "measured": float(actual), "unit": unit.strip()}})
     return result
 
 
