@@ -173,9 +173,9 @@ def answers_shown_too_early(nb, *, require_distinct: bool = False) -> list[str]:
         if require_distinct and not forms:
             problems.append(f"{name}: the answer {measured:g} is too short to tell apart from other numbers")
         above = "\n".join(page_text(cell) for cell in nb.cells[: prompt + 1])
-        # A duration printed above ("plain 29.1 ms") is a timing that varies run to run, not a byte count or a
-        # FLOP count rendered: it hides the answer only when the answer is itself a time.
-        not_a_duration = "" if unit in DURATION_UNITS else rf"(?!\s?(?:{'|'.join(DURATION_UNITS)})\b)"
+        # A duration or a rate printed above ("plain 29.1 ms", "29.1 MB/s") is a timing that varies run to run,
+        # not a byte or FLOP count rendered: it gives the answer away only when the answer is itself a time.
+        not_a_duration = "" if unit in DURATION_UNITS else rf"(?!\s?(?:{'|'.join(DURATION_UNITS)})\b|\s?\w*/s\b)"
         for form in sorted(forms):
             match = re.search(rf"(?<![\d.,])(?<!\d[.,]){re.escape(form)}(?!\d|[.,]\d){not_a_duration}", above)
             if match:
@@ -210,7 +210,9 @@ def test_a_prediction_shown_too_early_is_caught():
     assert answers_shown_too_early(late) == []
     # a timing that happens to read like the answer scaled ("226.2 ms" beside 226176 B) does not give it away,
     # unless the answer is a time
-    timing = nbformat.v4.new_code_cell("time()", outputs=[nbformat.v4.new_output("stream", text="step 226.2 ms\n")])
+    timing = nbformat.v4.new_code_cell(
+        "time()", outputs=[nbformat.v4.new_output("stream", text="step 226.2 ms, 226.2 MB/s\n")]
+    )
     assert answers_shown_too_early(nbformat.v4.new_notebook(cells=[timing, prompt, check_cell])) == []
     verdict["metadata"][PREDICTION_METADATA]["unit"] = "ms"
     check_cell.outputs[0].metadata = verdict["metadata"]
