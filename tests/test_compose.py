@@ -292,7 +292,7 @@ def shards_add_up(shards: list[dict[str, compose.Shard]], n_blocks: int) -> bool
 
 
 def test_simulated_ranks_count_the_planners_collectives_and_hold_every_element():
-    two_d, three_d = compose.Layout(pp=1, dp=8, tp=2), compose.Layout(pp=2, dp=2, tp=2)
+    two_d, three_d = compose.Dims(pp=1, dp=8, tp=2), compose.Dims(pp=2, dp=2, tp=2)
     steps = compose.step_collectives(two_d, n_mb=2, global_batch=48)
     assert [s.calls for s in steps] == [compose.predicted_collectives(4, 8, 2, 1, 2)]
     assert steps[0].calls == {"dp all_gather": 16, "dp reduce_scatter": 8, "tp all_reduce": 48}
@@ -333,4 +333,4 @@ def test_local_tensor_mode_gives_every_rank_rank_0s_fsdp_shard():
             with pytest.raises(RuntimeError, match="resize_"):  # freeing the gathered parameters after forward
                 block(torch.zeros(1, 6, 48))
     assert rows == dict.fromkeys(range(5), (10,))
-    assert [s["0.norm1.weight"].shape for s in compose.shard_shapes(compose.Layout(1, 5, 1), 1)] == [(10,)] * 4 + [(8,)]
+    assert [s["0.norm1.weight"].shape for s in compose.shard_shapes(compose.Dims(dp=5), 1)] == [(10,)] * 4 + [(8,)]

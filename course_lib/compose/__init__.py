@@ -1,6 +1,6 @@
 """Notebook 11: composing data, tensor and pipeline parallelism on one DeviceMesh.
 
-- :mod:`.mesh`: the rank grid, by hand (:func:`rank_grid`, dist.new_group) and as a DeviceMesh (:func:`build_mesh`);
+- :mod:`.mesh`: the rank grid, by hand (:func:`rank_grid`, dist.new_group) and as one DeviceMesh (:class:`Dims`);
 - :mod:`.parallelize`: each parallelism as a function over a mesh dimension (:func:`apply_tp`, :func:`apply_fsdp`,
   :func:`stage_blocks`), and the single-process reference the composed model must equal;
 - :mod:`.planner`: memory, bytes and time per GPU for a (dp, tp, pp) choice on a real cluster, micro-batches and
@@ -13,7 +13,7 @@
 """
 
 from course_lib.compose.checkers import check_accumulate, check_micro_batches, check_my_coordinates
-from course_lib.compose.mesh import DIMS, build_mesh, new_groups_by_hand, rank_grid
+from course_lib.compose.mesh import DIMS, Dims, new_groups_by_hand, rank_grid
 from course_lib.compose.parallelize import (
     apply_fsdp,
     apply_tp,
@@ -24,6 +24,7 @@ from course_lib.compose.parallelize import (
     reference_grads,
     shard_loss,
     stage_blocks,
+    transformer_blocks,
     unsharded_gradients,
 )
 from course_lib.compose.planner import (
@@ -41,7 +42,6 @@ from course_lib.compose.planner import (
     step_time,
 )
 from course_lib.compose.simulate import (
-    Layout,
     Shard,
     StageStep,
     shard_shapes,
@@ -55,14 +55,13 @@ __all__ = [
     "H100_NODES",
     "LLAMA_70B",
     "Cluster",
-    "Layout",
+    "Dims",
     "ModelShape",
     "Shard",
     "StageStep",
     "activation_bytes_per_layer",
     "apply_fsdp",
     "apply_tp",
-    "build_mesh",
     "check_accumulate",
     "check_micro_batches",
     "check_my_coordinates",
@@ -89,5 +88,6 @@ __all__ = [
     "stage_step",
     "step_collectives",
     "step_time",
+    "transformer_blocks",
     "unsharded_gradients",
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -39,8 +41,23 @@ def new_groups_by_hand(world_size: int, pp: int, dp: int, tp: int) -> dict[str, 
     return mine
 
 
-def build_mesh(pp: int, dp: int, tp: int, device_type: str = "cpu") -> DeviceMesh:
-    """The same grid in one call: a 3-D DeviceMesh with named dimensions."""
-    from torch.distributed.device_mesh import init_device_mesh
+@dataclass(frozen=True, kw_only=True)
+class Dims:
+    """How many ranks along each parallel dimension (torchtitan's ParallelDims); the one place a mesh is built."""
 
-    return init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=DIMS)
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def __str__(self) -> str:
+        return f"pp={self.pp} x dp={self.dp} x tp={self.tp} ({self.world} ranks)"
+
+    def build_mesh(self, device_type: str = "cpu") -> DeviceMesh:
+        """The grid in one call: a 3-D DeviceMesh with named dimensions, tp innermost."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=DIMS)

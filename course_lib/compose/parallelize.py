@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -19,6 +20,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from course_lib.compare import full_gradients
 from course_lib.models import TransformerBlock, shard_layers_then_root
 from course_lib.tensor_parallel import tp_plan
+
+Model = TypeVar("Model", bound=nn.Module)  # the model given is the model returned, sharded in place
 
 
 def make_model(n_blocks: int = 4, seed: int = 0) -> nn.Sequential:
@@ -34,19 +37,26 @@ def make_batch(
     return torch.randn(global_batch, seq, d_model, generator=g), torch.randn(global_batch, seq, d_model, generator=g)
 
 
-def apply_tp(blocks: nn.Sequential, tp_mesh: DeviceMesh) -> nn.Sequential:
+def transformer_blocks(model: nn.Module) -> list[TransformerBlock]:
+    """The course's transformer blocks in `model`, in order: a stack of them, or a GPT's (or one stage's)."""
+    return [m for m in model.modules() if isinstance(m, TransformerBlock)]
+
+
+def apply_tp(model: Model, tp_mesh: DeviceMesh) -> Model:
     """Tensor parallel inside every block (q/k/v/up column-wise, o/down row-wise; notebook 07)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    for block in blocks:
+    for block in transformer_blocks(model):
         parallelize_module(block, tp_mesh, tp_plan())
-    return blocks
+    return model
 
 
-def apply_fsdp(blocks: nn.Sequential, dp_mesh: DeviceMesh) -> nn.Sequential:
-    """FSDP2 per block, then the root (notebook 03). A 2-D mesh (replicate, shard) gives HSDP."""
-    shard_layers_then_root(blocks, blocks, mesh=dp_mesh)
-    return blocks
+def apply_fsdp(model: Model, dp_mesh: DeviceMesh) -> Model:
+    """FSDP2 per block, then the root: what no block holds (a GPT's embeddings, final norm and head, whose tied
+    table is used twice inside the root's forward: one gathered copy serves both). Notebook 03; a 2-D mesh
+    (replicate, shard) gives HSDP."""
+    shard_layers_then_root(model, transformer_blocks(model), mesh=dp_mesh)
+    return model
 
 
 def stage_blocks(model: nn.Sequential, pp_rank: int, pp: int) -> nn.Sequential:

@@ -1,7 +1,7 @@
 """Layouts of many ranks in one process: torch's fake backend plays each rank of an N-rank job in turn.
 
 ``init_process_group("fake", ...)`` gives this process a rank and a world size, and every collective returns at
-once without moving data. The course's parallelize (:func:`.build_mesh`, :func:`.stage_blocks`, :func:`.apply_tp`,
+once without moving data. The course's parallelize (:meth:`.Dims.build_mesh`, :func:`.stage_blocks`, :func:`.apply_tp`,
 :func:`.apply_fsdp`) then runs unchanged: the rank holds the shards it would hold in the real job, and one step
 issues the collectives it would issue, which ``comms.Recorder`` counts. The values are meaningless (nothing was
 gathered or summed), and so is any time. Tensors stay on the CPU: only shapes and calls are simulated.
@@ -24,25 +24,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from course_lib import comms
-from course_lib.compose.mesh import DIMS, build_mesh
+from course_lib.compose.mesh import DIMS, Dims
 from course_lib.compose.parallelize import apply_fsdp, apply_tp, loss_fn, make_batch, make_model, stage_blocks
 from course_lib.launch.runtime import fake_rank
-
-
-@dataclass(frozen=True)
-class Layout:
-    """pp x dp x tp ranks, laid out as :func:`.build_mesh` lays them out (tp innermost)."""
-
-    pp: int
-    dp: int
-    tp: int
-
-    @property
-    def world(self) -> int:
-        return self.pp * self.dp * self.tp
-
-    def __str__(self) -> str:
-        return f"pp={self.pp} x dp={self.dp} x tp={self.tp} ({self.world} ranks)"
 
 
 @dataclass(frozen=True)
@@ -54,28 +38,28 @@ class Shard:
     copies: int
 
 
-def parallelized_stage(layout: Layout, n_blocks: int) -> tuple[nn.Sequential, DeviceMesh, int]:
+def parallelized_stage(dims: Dims, n_blocks: int) -> tuple[nn.Sequential, DeviceMesh, int]:
     """The current rank's pipeline stage with TP over "tp" and FSDP over "dp", as notebook 11's 2D/3D cells build
     it; its mesh, and the index of its first block in the whole model."""
-    mesh = build_mesh(layout.pp, layout.dp, layout.tp)
+    mesh = dims.build_mesh()
     stage = mesh["pp"].get_local_rank()
-    blocks = stage_blocks(make_model(n_blocks), stage, layout.pp)
+    blocks = stage_blocks(make_model(n_blocks), stage, dims.pp)
     return apply_fsdp(apply_tp(blocks, mesh["tp"]), mesh["dp"]), mesh, stage * len(blocks)
 
 
-def shard_shapes(layout: Layout, n_blocks: int = 4) -> list[dict[str, Shard]]:
+def shard_shapes(dims: Dims, n_blocks: int = 4) -> list[dict[str, Shard]]:
     """Every rank's shard of every parameter of its stage (named as in the whole model), rank by rank."""
     ranks = []
-    for rank in range(layout.world):
-        with fake_rank(rank, layout.world):
-            blocks, _, first = parallelized_stage(layout, n_blocks)
+    for rank in range(dims.world):
+        with fake_rank(rank, dims.world):
+            blocks, _, first = parallelized_stage(dims, n_blocks)
             shards = {}
             for name, param in blocks.named_parameters():
                 assert isinstance(param, DTensor)
                 index, rest = name.split(".", 1)
                 replicated = [n for n, p in zip(param.device_mesh.shape, param.placements) if isinstance(p, Replicate)]
                 # a parameter TP leaves whole has a mesh without "tp": it is replicated over tp too
-                copies = math.prod(replicated) * layout.dp * layout.tp // param.device_mesh.size()
+                copies = math.prod(replicated) * dims.dp * dims.tp // param.device_mesh.size()
                 shards[f"{int(index) + first}.{rest}"] = Shard(tuple(param.to_local().shape), copies)
             ranks.append(shards)
     return ranks
@@ -108,21 +92,21 @@ class StageStep:
     sent: dict[str, float]
 
 
-def step_collectives(layout: Layout, n_mb: int, global_batch: int, n_blocks: int = 4) -> list[StageStep]:
+def step_collectives(dims: Dims, n_mb: int, global_batch: int, n_blocks: int = 4) -> list[StageStep]:
     """One training step of `n_mb` micro-batches per dp rank, simulated on the first rank of every stage (the
     other ranks of a stage run the same program on other shards: the same calls)."""
     steps = []
-    for stage in range(layout.pp):
-        with fake_rank(stage * layout.dp * layout.tp, layout.world):
-            blocks, mesh, _ = parallelized_stage(layout, n_blocks)
+    for stage in range(dims.pp):
+        with fake_rank(stage * dims.dp * dims.tp, dims.world):
+            blocks, mesh, _ = parallelized_stage(dims, n_blocks)
             x, y = make_batch(global_batch)
             d = mesh["dp"].get_local_rank()
-            x_d, y_d = x.tensor_split(layout.dp)[d], y.tensor_split(layout.dp)[d]
+            x_d, y_d = x.tensor_split(dims.dp)[d], y.tensor_split(dims.dp)[d]
             micro_batches = list(zip(x_d.tensor_split(n_mb), y_d.tensor_split(n_mb)))
             if stage > 0:  # a later stage's input comes from the previous stage, which needs its gradient
                 micro_batches = [(x_m.requires_grad_(), y_m) for x_m, y_m in micro_batches]
             with comms.Recorder() as recorder:
-                stage_step(blocks, micro_batches, pipelined=layout.pp > 1)
+                stage_step(blocks, micro_batches, pipelined=dims.pp > 1)
             steps.append(StageStep(_calls_by_dimension(recorder, mesh), recorder.by_dimension(mesh)))
     return steps
 

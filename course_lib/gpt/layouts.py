@@ -2,9 +2,11 @@
 
     one process      the model as it is
     DDP              DistributedDataParallel over "dp" (notebook 02)
-    FSDP2            fully_shard each block, then the root (embeddings and head) over "dp" (notebook 03)
+    FSDP2            compose.apply_fsdp over "dp": each block, then the root (embeddings and head; notebook 03)
     FSDP2 x TP       compose.apply_tp over "tp" inside every block, then FSDP2 over "dp" (notebook 11)
     PP x FSDP2 x TP  this stage's blocks (compose.stage_blocks, notebook 08), then TP, then FSDP2
+
+The mesh and its sizes are notebook 11's: a layout is a `compose.Dims` with a name and its options.
 
 A layout may also be compiled (`compiled=True`): each block is compiled in place before DDP or FSDP2 wraps it
 (:func:`apply_compile`, torchtitan's way), so the data-parallel hooks stay outside the compiled code.
@@ -26,25 +28,19 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from course_lib.compare import local_tensor
+from course_lib.compose import Dims, apply_fsdp, apply_tp
 from course_lib.gpt.model import GPT, GPTConfig, pipeline_stage
 
 
 @dataclass(frozen=True)
-class Layout:
-    """A layout: its name and mesh sizes; n_mb micro-batches per dp rank. On one rank (NPROC = 1) every
-    layout is the plain model: there is nothing to replicate or shard."""
+class Layout(Dims):
+    """A layout: its name and mesh sizes (pp, dp, tp: keywords); n_mb micro-batches per dp rank. On one rank
+    (NPROC = 1) every layout is the plain model: there is nothing to replicate or shard."""
 
     name: str
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
     n_mb: int = 1
     ddp: bool = False
     compiled: bool = False
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp * self.pp
 
     def describe(self) -> str:
         sizes = [f"{k}={v}" for k, v in (("pp", self.pp), ("dp", self.dp), ("tp", self.tp)) if v > 1 or k == "dp"]
@@ -67,29 +63,11 @@ def compiled_layouts(nproc: int) -> list[Layout]:
     return [Layout("one process, compiled", compiled=True), Layout("FSDP2, compiled", dp=nproc, compiled=True)]
 
 
-def build_mesh(layout: Layout, device_type: str = "cpu") -> DeviceMesh | None:
-    """The ("pp", "dp", "tp") mesh of the layout's ranks (compose.build_mesh); None for one process."""
-    from course_lib.compose import build_mesh as compose_mesh
-
-    if layout.world == 1:
-        return None
-    return compose_mesh(pp=layout.pp, dp=layout.dp, tp=layout.tp, device_type=device_type)
-
-
 def apply_ddp(model: nn.Module) -> nn.Module:
     """DDP over the default group: gradients all-reduced (averaged) in buckets during backward."""
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(model)
-
-
-def apply_fsdp(model: GPT, dp_mesh: DeviceMesh) -> GPT:
-    """FSDP2: each block a unit of its own, the root unit the embeddings, final norm and head (with the tied
-    table: both its uses run inside the root's forward, so one gathered copy serves both)."""
-    from course_lib.models import shard_layers_then_root
-
-    shard_layers_then_root(model, model.blocks, mesh=dp_mesh)
-    return model
 
 
 def apply_compile(blocks: nn.Sequential) -> None:
@@ -103,8 +81,6 @@ def apply_compile(blocks: nn.Sequential) -> None:
 
 def parallelize(layout: Layout, config: GPTConfig, mesh: DeviceMesh | None, device: torch.device) -> nn.Module:
     """This rank's model for `layout`: built (or cut into its stage), then TP, then compiled, then FSDP2 or DDP."""
-    from course_lib.compose import apply_tp
-
     if layout.pp > 1:
         assert mesh is not None
         model = pipeline_stage(config, mesh["pp"].get_local_rank(), layout.pp).to(device)
@@ -112,7 +88,7 @@ def parallelize(layout: Layout, config: GPTConfig, mesh: DeviceMesh | None, devi
         model = GPT(config).to(device)
     if layout.tp > 1:
         assert mesh is not None
-        apply_tp(model.blocks, mesh["tp"])
+        apply_tp(model, mesh["tp"])
     if layout.compiled:
         apply_compile(model.blocks)
     if mesh is None:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib.gpt.layouts import LR, Layout, build_mesh, make_optimizer, parallelize, sync_tied_gradients
+from course_lib.gpt.layouts import LR, Layout, make_optimizer, parallelize, sync_tied_gradients
 from course_lib.gpt.model import GPTConfig, loss_fn
 from course_lib.gpt.text import ShardedBatches, split, tokens_and_tokenizer
 from course_lib.launch.runtime import synchronize
@@ -106,7 +106,7 @@ def train_layout(layout: Layout, steps: int, global_batch: int = 16, lr: float =
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world != layout.world:
         raise ValueError(f"{layout.describe()} needs {layout.world} ranks, this run has {world}")
-    mesh = build_mesh(layout, device.type)
+    mesh = layout.build_mesh(device.type) if layout.world > 1 else None
     model = parallelize(layout, config, mesh, device)
     optimizer = make_optimizer(model, lr)
     dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
