@@ -43,6 +43,11 @@ RING: CostModel = {
 GLOO = {**RING, "reduce_scatter": RING["all_reduce"]}
 
 
+def sent_per_rank(op: str, payload: float, n: int, model: CostModel = RING) -> float:
+    """Bytes one rank sends for one `op` call on `payload` bytes in a group of `n` ranks (every formula's cost)."""
+    return model[op](n) * payload
+
+
 @dataclass(frozen=True)
 class Call:
     """One communication on this rank.
@@ -184,7 +189,7 @@ def counts(calls: list[Call], phase: str | None = None) -> dict[str, int]:
 
 def sent_bytes(calls: list[Call], model: CostModel = RING) -> float:
     """Bytes this rank sends for the calls, under the cost model `model` (RING or GLOO)."""
-    return sum(model[c.op](len(c.group)) * c.nbytes for c in outermost(calls))
+    return sum(sent_per_rank(c.op, c.nbytes, len(c.group), model) for c in outermost(calls))
 
 
 def wire_bytes(calls: list[Call]) -> int:

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib import compare, ddp
+from course_lib import comms, compare, ddp
 from course_lib.exercises import check, check_prediction
 from course_lib.models import MLP
 from tests.rank_programs import ddp as rank_programs
@@ -92,7 +92,7 @@ def test_prediction_accepts_the_formula_and_rejects_typical_mistakes(capsys):
 
     big_bytes = 14_697_472
     for n in (2, 3, 4):
-        measured = 1.005 * ddp.ring_bytes(big_bytes, n)
+        measured = 1.005 * comms.sent_per_rank("all_reduce", big_bytes, n)
         path = os.path.join(os.path.dirname(__file__), "..", "notebooks", "solutions", "02_ddp.py")
         predicted = runpy.run_path(path, init_globals={"NPEERS": n, "big_bytes": big_bytes})["predicted_bytes_per_step"]
         assert check_prediction("bytes", predicted, measured, rtol=0.03) is True
@@ -137,7 +137,6 @@ def test_simulated_buckets_and_formulas():
     # buckets close at >= 350 bytes: [100, 300] ready at 2, [200, 400] ready at 4; each costs 0.5 + bytes / 100
     assert calls == [(2.0, 6.5), (6.5, 13.0)]
     assert ddp.overlap_fraction(calls, backward_s=4.0) == pytest.approx(2.0 / 11.0)
-    assert ddp.ring_bytes(1000, 4) == 1500
     assert ddp.ddp_bytes_per_rank(10, bucket_copy=False) == 10 * 4 * 4
     model = MLP()
     n = sum(p.numel() for p in model.parameters())

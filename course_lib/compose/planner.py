@@ -1,8 +1,7 @@
 """A planner for real clusters (kernel-only): memory, bytes and time per GPU for a (dp, tp, pp) choice.
 
-Bytes are what one GPU sends per step under a ring algorithm: all-gather and reduce-scatter (n-1)/n of
-the full tensor, all-reduce twice that, a send the tensor; notebook 11 counts them on ranks
-(:mod:`.traffic`) and asserts the planner's numbers for small layouts.
+Bytes are what one GPU sends per step under a ring algorithm (``comms.RING``, the course's one cost table);
+notebook 11 counts them on ranks (:mod:`.traffic`) and asserts the planner's numbers for small layouts.
 """
 
 from __future__ import annotations
@@ -10,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from course_lib.comms import sent_per_rank
 from course_lib.memory import GB, zero_bytes_per_gpu
 
 
@@ -209,8 +209,9 @@ def plan(
         kept += params_per_gpu * 4 * (dp - 1) / dp  # fp32 gradients accumulate unsharded
     activations = m.layers * activation_bytes_per_layer(m, tp, sequence_parallel, recompute, attention)
     act_msg = m.seq * m.micro_batch * m.hidden * bytes_per_value  # one activation tensor of a micro-batch
-    tp_bytes = calls.get("tp all_reduce", 0) * 2 * (tp - 1) / tp * act_msg
-    per_call = (dp - 1) / dp * params_per_gpu / (m.layers / pp) * bytes_per_value  # a unit's ring gather or reduce
+    tp_bytes = calls.get("tp all_reduce", 0) * sent_per_rank("all_reduce", act_msg, tp)
+    unit_bytes = params_per_gpu / (m.layers / pp) * bytes_per_value
+    per_call = sent_per_rank("all_gather", unit_bytes, dp)  # a unit's ring gather, or reduce-scatter
     dp_calls = calls.get("dp all_gather", 0) + calls.get("dp reduce_scatter", 0) + 2 * calls.get("dp all_reduce", 0)
     dp_bytes = dp_calls * per_call
     pp_bytes = 2 * (pp - 1) / pp * act_msg * n_mb  # mean per GPU: the end stages send one way, the others both

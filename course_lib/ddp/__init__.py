@@ -28,7 +28,6 @@ from course_lib.ddp.figures import (
     ddp_bytes_per_rank,
     low_precision_mean,
     overlap_fraction,
-    ring_bytes,
     simulate_buckets,
 )
 from course_lib.ddp.minimal_ddp import MB, Bucket, MinimalDDP, assign_buckets, on_host_clock, stamp, unwrap
@@ -67,7 +66,6 @@ __all__ = [
     "rank_loader",
     "recording_backend",
     "recording_hook",
-    "ring_bytes",
     "save_snapshot",
     "shadow_all_reduce",
     "shuffled_order",

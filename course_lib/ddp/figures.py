@@ -1,17 +1,13 @@
-"""Kernel-side arithmetic behind notebook 02's figures and tables: ring bytes, the bucket simulator, memory,
+"""Kernel-side arithmetic behind notebook 02's figures and tables: the bucket simulator, memory,
 and what dividing by N before the sum does in low precision."""
 
 from __future__ import annotations
 
 import torch
 
+from course_lib.comms import sent_per_rank
 from course_lib.ddp.minimal_ddp import MB
 from course_lib.memory import zero_bytes_per_gpu
-
-
-def ring_bytes(payload: int, world_size: int) -> float:
-    """Bytes each rank sends in a ring all-reduce: reduce-scatter + all-gather, (N-1)/N of the data each."""
-    return 2 * (world_size - 1) / world_size * payload
 
 
 def low_precision_mean(grads: list[torch.Tensor], divide_first: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -54,7 +50,7 @@ def simulate_buckets(
     calls, free_at = [], 0.0
     for nbytes, ready in buckets:
         start = max(ready, free_at)
-        free_at = start + latency_s + ring_bytes(nbytes, world_size) / bandwidth_Bps
+        free_at = start + latency_s + sent_per_rank("all_reduce", nbytes, world_size) / bandwidth_Bps
         calls.append((start, free_at))
     return calls
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from course_lib.comms import sent_per_rank
 from course_lib.gpt.layouts import Layout
 from course_lib.gpt.model import GPTConfig, count_parameters
 
@@ -102,9 +103,9 @@ def predicted_traffic(layout: Layout, config: GPTConfig, global_batch: int) -> d
     traffic = {dim: r[f"{dim}_comm_GB"] * 1e9 for dim in ("tp", "dp", "pp")}
     if not layout.ddp:
         calls = fsdp_collectives(layout.n_mb, reshard_after_forward=False, **piped)  # the root unit
-        ring = (layout.dp - 1) / layout.dp * BYTES
-        per_stage = [root_parameters(config, s, layout.pp) for s in range(layout.pp)]
-        traffic["dp"] += (calls["all_gather"] + calls["reduce_scatter"]) * ring * sum(per_stage) / layout.pp
+        root_bytes = sum(root_parameters(config, s, layout.pp) for s in range(layout.pp)) / layout.pp * BYTES
+        for op in ("all_gather", "reduce_scatter"):
+            traffic["dp"] += calls[op] * sent_per_rank(op, root_bytes, layout.dp)
     if layout.pp > 1:  # first and last stage all-reduce their dp shard of the tied table's gradient, on the pp group
-        traffic["pp"] += 2 * (2 - 1) / 2 * config.vocab * config.d_model / layout.dp * BYTES
+        traffic["pp"] += sent_per_rank("all_reduce", config.vocab * config.d_model / layout.dp * BYTES, 2)
     return traffic

@@ -165,7 +165,7 @@ def solutions() -> dict:
 
 def hooks_snapshot_and_exercises(rank: int, world_size: int, snapshot_path: str) -> dict:
     """Every comm hook's bytes, gradient error and loss; a snapshot round trip; the checkers."""
-    from course_lib import compare, ddp
+    from course_lib import comms, compare, ddp
     from course_lib.data import regression
     from course_lib.exercises import ExerciseFailed
     from course_lib.models import MLP
@@ -177,7 +177,7 @@ def hooks_snapshot_and_exercises(rank: int, world_size: int, snapshot_path: str)
         log, model = ddp.train_with_hook(hook, data, torch.device("cpu"), global_batch=48, epochs=1)
         hooks[hook] = (
             sorted(log.bytes_sent)[len(log.bytes_sent) // 2],
-            ddp.ring_bytes(ddp.payload_bytes(model, hook), world_size),
+            comms.sent_per_rank("all_reduce", ddp.payload_bytes(model, hook), world_size),
             ddp.gradient_error(MLP(), hook, x, y),
             log.losses[-1],
         )
