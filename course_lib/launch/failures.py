@@ -136,12 +136,13 @@ def add_silent_deaths(attempts: list[Attempt], agent_log: str, run: RunDir) -> N
 
 
 def running_ranks(run: RunDir, spec: RunSpec) -> list[int]:
-    """Ranks of the last attempt that started and did not finish (this node's, if none started)."""
+    """This node's ranks that had not finished the last attempt: a rank whose process had not yet started (a slow
+    start on a busy machine) is running too, as when no rank had started."""
+    ranks = range(spec.first_rank, spec.first_rank + spec.nproc)
     attempts = run.attempts()
     if not attempts:
-        return list(range(spec.first_rank, spec.first_rank + spec.nproc))
-    last = attempts[-1]
-    return [r for r in run.started(last) if not run.done_file(last, r).exists()]
+        return list(ranks)
+    return [r for r in ranks if not run.done_file(attempts[-1], r).exists()]
 
 
 def final_failures(attempts: list[Attempt], agent_log: str) -> list[RankFailure]:

@@ -202,10 +202,6 @@ class RunDir:
         """Every recorded rank pid, all attempts."""
         return [int(text) for _, _, p in self.pid_files() if (text := p.read_text().strip())]
 
-    def started(self, index: int) -> list[int]:
-        """Ranks of attempt `index` that recorded their pid, in order."""
-        return [rank for i, rank, _ in self.pid_files() if i == index]
-
 
 def attempt_index(folder: Path) -> int:
     """N from a folder named attempt_N (torchrun's log folders and ours)."""
