@@ -24,7 +24,6 @@ from course_lib.compose.parallelize import (
     reference_grads,
     shard_loss,
     stage_blocks,
-    transformer_blocks,
     unsharded_gradients,
 )
 from course_lib.compose.planner import (
@@ -88,6 +87,5 @@ __all__ = [
     "stage_step",
     "step_collectives",
     "step_time",
-    "transformer_blocks",
     "unsharded_gradients",
 ]
