@@ -6,7 +6,9 @@ several layers to shard, bucket or split into pipeline stages.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -16,17 +18,43 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
+@dataclass(frozen=True)
+class BlockShape:
+    """The sizes of a transformer block: width, attention heads, feed-forward hidden units."""
+
+    d_model: int
+    n_heads: int
+    d_ff: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+# The course's block: 48 wide, 12 heads of 4, 192 hidden units. 12 heads split over 1, 2, 3, 4, 6 and 12 ranks.
+BLOCK = BlockShape(d_model=48, n_heads=12, d_ff=192)
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Weights drawn in the block come from `seed` (so every rank builds the same ones); the global generator is
+    left as it was, so data drawn after building a model does not depend on which model was built."""
+    with torch.random.fork_rng(devices=[]):  # the CPU generator: the course's models initialise on the CPU
+        torch.default_generator.manual_seed(seed)
+        yield
+
+
 class MLP(nn.Sequential):
     """`n_layers` blocks of Linear + GELU, then a Linear head. Seeded: same weights on every rank."""
 
     def __init__(self, d_in: int = 32, d_hidden: int = 64, d_out: int = 8, n_layers: int = 4, seed: int = 0):
-        torch.manual_seed(seed)
         layers: list[nn.Module] = []
         width = d_in
-        for _ in range(n_layers):
-            layers += [nn.Linear(width, d_hidden), nn.GELU()]
-            width = d_hidden
-        layers.append(nn.Linear(width, d_out))
+        with seeded(seed):
+            for _ in range(n_layers):
+                layers += [nn.Linear(width, d_hidden), nn.GELU()]
+                width = d_hidden
+            layers.append(nn.Linear(width, d_out))
         super().__init__(*layers)
 
 
@@ -112,17 +140,24 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """A pre-norm transformer block: x + attention(norm1(x)), then + feed_forward(norm2(x)).
 
-    Defaults (48 wide, 12 heads, 192 hidden) divide by 1, 2, 3, 4, 6 and 12 ranks.
+    Defaults: the course's block, :data:`BLOCK`.
     Seeded: same weights on every rank. Dropout defaults to 0 so runs are deterministic.
     """
 
-    def __init__(self, d_model: int = 48, n_heads: int = 12, d_ff: int = 192, dropout: float = 0.0, seed: int = 0):
+    def __init__(
+        self,
+        d_model: int = BLOCK.d_model,
+        n_heads: int = BLOCK.n_heads,
+        d_ff: int = BLOCK.d_ff,
+        dropout: float = 0.0,
+        seed: int = 0,
+    ):
         super().__init__()
-        torch.manual_seed(seed)
-        self.norm1 = nn.LayerNorm(d_model)
-        self.attention = Attention(d_model, n_heads)
-        self.norm2 = nn.LayerNorm(d_model)
-        self.feed_forward = FeedForward(d_model, d_ff)
+        with seeded(seed):
+            self.norm1 = nn.LayerNorm(d_model)
+            self.attention = Attention(d_model, n_heads)
+            self.norm2 = nn.LayerNorm(d_model)
+            self.feed_forward = FeedForward(d_model, d_ff)
         # two modules, not one called twice: module trackers such as CommDebugMode expect one call per module
         self.dropout1, self.dropout2 = nn.Dropout(dropout), nn.Dropout(dropout)
         self.n_heads = n_heads

@@ -18,6 +18,7 @@ from course_lib.activations.recompute import block_stack
 from course_lib.compare import grad_of
 from course_lib.exercises import ExerciseFailed
 from course_lib.launch.runtime import rank_device
+from course_lib.models import BLOCK
 
 CHECKED_EVERY = (1, 2, 3, 4)
 LAYERS, SEQ = 5, 32
@@ -36,11 +37,11 @@ def check_checkpoint_every(fn: Callable[[nn.Sequential, torch.Tensor, int], torc
     bytes held after the forward are exactly those of the blocks it keeps whole plus the inputs of the others.
     """
     batch = 2 + _rank() % 3  # each rank its own batch size and data
-    x = torch.randn(batch, SEQ, 48, generator=torch.Generator().manual_seed(100 + _rank()))
+    x = torch.randn(batch, SEQ, BLOCK.d_model, generator=torch.Generator().manual_seed(100 + _rank()))
     reference = block_stack(LAYERS)
     expected_output = reference(x)
     expected_output.square().mean().backward()
-    per_layer, block_input = course_block_bytes(SEQ, batch, element_bytes=4), 4 * SEQ * batch * 48
+    per_layer, block_input = course_block_bytes(SEQ, batch, element_bytes=4), 4 * SEQ * batch * BLOCK.d_model
     for k in CHECKED_EVERY:
         blocks = block_stack(LAYERS)
         with LiveBytes() as live:
@@ -81,7 +82,7 @@ def check_evaluate(fn: Callable[[nn.Module, list[torch.Tensor]], float]) -> None
     scale = allocation_scale(device)
     budget_mib = BUDGET_MIB * scale
     generator = torch.Generator().manual_seed(300 + _rank())
-    batches = [torch.randn(8 * scale, 64, 48, generator=generator).to(device) for _ in range(EVAL_BATCHES)]
+    batches = [torch.randn(8 * scale, 64, BLOCK.d_model, generator=generator).to(device) for _ in range(EVAL_BATCHES)]
     model = block_stack(4).to(device)
     with torch.no_grad():
         expected = sum(loss_of(model(x)).item() for x in batches) / len(batches)

@@ -6,12 +6,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from course_lib.activations.formulas import course_block_bytes, korthikanti_bytes, selective_block_bytes, stack_bytes
+from course_lib.models import BLOCK
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
 MODELS = {  # name: (hidden, heads): d_ff = 4 * hidden, as in the course's block
-    "course block (h=48)": (48, 12),
+    f"course block (h={BLOCK.d_model})": (BLOCK.d_model, BLOCK.n_heads),
     "GPT-3 XL-like (h=2048)": (2048, 16),
     "7B-like (h=4096)": (4096, 32),
     "GPT-3 175B-like (h=12288)": (12288, 96),
@@ -29,7 +30,7 @@ def draw_layer_bytes(rows: list[dict[str, Any]], b: int, ax: Axes | None = None)
     lines = {
         "course block, flash (derived)": [course_block_bytes(s, b) for s in grid],
         "course block, math (derived)": [course_block_bytes(s, b, attention="math") for s in grid],
-        "Korthikanti s·b·h·(34 + 5as/h)": [korthikanti_bytes(s, b, 48, 12) for s in grid],
+        "Korthikanti s·b·h·(34 + 5as/h)": [korthikanti_bytes(s, b, BLOCK.d_model, BLOCK.n_heads) for s in grid],
     }
     for (name, values), style in zip(lines.items(), ("-", "-", "--")):
         ax.plot(grid, [v / 1e3 for v in values], style, label=name)

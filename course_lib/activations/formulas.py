@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from course_lib.models import BLOCK
+
 # Each term: bytes per element of s·b·h or of a·s²·b, and whether tensor parallelism splits it over the t ranks
 # (it lies between a column- and a row-parallel layer) or leaves it replicated. Sequence parallelism, as the paper
 # implements it, divides every term by t.
@@ -74,9 +76,9 @@ def attention_width(h: int, a: int, head_multiple: int = 1) -> int:
 def course_block_terms(
     s: int,
     b: int,
-    h: int = 48,
-    a: int = 12,
-    d_ff: int = 192,
+    h: int = BLOCK.d_model,
+    a: int = BLOCK.n_heads,
+    d_ff: int = BLOCK.d_ff,
     *,
     element_bytes: int = 2,
     stats_bytes: int | None = None,
@@ -126,13 +128,22 @@ def course_block_terms(
     return terms
 
 
-def course_block_bytes(s: int, b: int, h: int = 48, a: int = 12, d_ff: int = 192, **options: Any) -> float:
+def course_block_bytes(
+    s: int, b: int, h: int = BLOCK.d_model, a: int = BLOCK.n_heads, d_ff: int = BLOCK.d_ff, **options: Any
+) -> float:
     """The sum of :func:`course_block_terms` (same arguments): bytes one TransformerBlock saves for backward."""
     return sum(course_block_terms(s, b, h, a, d_ff, **options).values())
 
 
 def selective_block_bytes(
-    s: int, b: int, h: int = 48, a: int = 12, d_ff: int = 192, *, element_bytes: int = 2, head_multiple: int = 1
+    s: int,
+    b: int,
+    h: int = BLOCK.d_model,
+    a: int = BLOCK.n_heads,
+    d_ff: int = BLOCK.d_ff,
+    *,
+    element_bytes: int = 2,
+    head_multiple: int = 1,
 ) -> float:
     """Bytes one checkpointed block keeps under the save-matmuls policy (`recompute.save_matmuls`), flash attention.
 

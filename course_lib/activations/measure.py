@@ -19,8 +19,7 @@ from course_lib.activations.formulas import course_block_bytes, selective_block_
 from course_lib.activations.inspection import LiveBytes, matmul_flops
 from course_lib.compare import full_gradients, saved_activation_bytes
 from course_lib.launch.runtime import seconds_in_turns
-
-HIDDEN = 48  # the course block's default width
+from course_lib.models import BLOCK
 
 
 def attention_backend(attention: str) -> Any:
@@ -52,7 +51,7 @@ def layer_bytes(
 
     device = device or torch.device("cpu")
     block = TransformerBlock().to(device, dtype)
-    x = torch.randn(b, s, HIDDEN, device=device, dtype=dtype, requires_grad=True)
+    x = torch.randn(b, s, BLOCK.d_model, device=device, dtype=dtype, requires_grad=True)
     with attention_backend(attention):
         measured = saved_activation_bytes(block, x)
     derived = course_block_bytes(
@@ -74,7 +73,7 @@ def derived_held(mode: str, layers: int, s: int, b: int, dtype: torch.dtype, dev
     )
     selective = selective_block_bytes(s, b, element_bytes=e, head_multiple=multiple)
     kept = "full" if mode == "from scratch" else mode
-    return stack_bytes(per_layer, layers, e * s * b * HIDDEN, kept, selective)["held"]
+    return stack_bytes(per_layer, layers, e * s * b * BLOCK.d_model, kept, selective)["held"]
 
 
 def loss_of(output: torch.Tensor) -> torch.Tensor:

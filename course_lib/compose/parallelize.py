@@ -18,19 +18,19 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from course_lib.compare import full_gradients
-from course_lib.models import TransformerBlock, shard_layers_then_root
+from course_lib.models import BLOCK, TransformerBlock, shard_layers_then_root
 from course_lib.tensor_parallel import tp_plan
 
 Model = TypeVar("Model", bound=nn.Module)  # the model given is the model returned, sharded in place
 
 
 def make_model(n_blocks: int = 4, seed: int = 0) -> nn.Sequential:
-    """A stack of the course's transformer blocks (48 wide, 12 heads): same weights on every rank."""
+    """A stack of the course's transformer blocks (models.BLOCK): same weights on every rank."""
     return nn.Sequential(*[TransformerBlock(seed=seed + i) for i in range(n_blocks)])
 
 
 def make_batch(
-    global_batch: int = 8, seq: int = 6, d_model: int = 48, seed: int = 1
+    global_batch: int = 8, seq: int = 6, d_model: int = BLOCK.d_model, seed: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Seeded inputs and targets: the same on every rank and every machine."""
     g = torch.Generator().manual_seed(seed)

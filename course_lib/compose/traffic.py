@@ -12,11 +12,11 @@ from course_lib.memory import GB
 
 
 def course_model_shape(n_blocks: int, micro_batch: float, seq: int = 6) -> ModelShape:
-    """The planner's view of notebook 11's model: `n_blocks` of the course's blocks (48 wide, 12 heads)."""
-    from course_lib.models import TransformerBlock
+    """The planner's view of notebook 11's model: `n_blocks` of the course's blocks (models.BLOCK)."""
+    from course_lib.models import BLOCK, TransformerBlock
 
     per_block = sum(p.numel() for p in TransformerBlock().parameters())
-    return ModelShape(n_blocks * per_block, n_blocks, 48, 12, seq, micro_batch, tp_all_reduces=6)
+    return ModelShape(n_blocks * per_block, n_blocks, BLOCK.d_model, BLOCK.n_heads, seq, micro_batch, tp_all_reduces=6)
 
 
 def predicted_traffic(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from course_lib.models import MLP
+from course_lib.models import MLP, seeded
 
 
 class MLPWithBranches(nn.Module):
@@ -26,7 +26,8 @@ class MLPWithBranches(nn.Module):
     ) -> None:
         super().__init__()
         self.trunk = MLP(d_in, d_hidden, d_out, n_layers, seed=seed)
-        self.branches = nn.ModuleList(nn.Linear(d_out, d_out) for _ in range(n_branches))
+        with seeded(seed + 1):  # seeded too: every rank builds the same branches
+            self.branches = nn.ModuleList(nn.Linear(d_out, d_out) for _ in range(n_branches))
 
     def forward(self, x: torch.Tensor, branch: int | None = None) -> torch.Tensor:
         h = self.trunk(x)

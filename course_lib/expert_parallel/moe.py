@@ -13,14 +13,14 @@ from torch import nn
 
 from course_lib.expert_parallel.dispatch import AllToAllFn, all_to_all, exchange_counts
 from course_lib.expert_parallel.router import Routing, TopKRouter
-from course_lib.models import FeedForward
+from course_lib.models import FeedForward, seeded
 from course_lib.tensor_parallel import shard_size
 
 
 def make_experts(n_experts: int, d_model: int, d_ff: int, seed: int = 1) -> nn.ModuleList:
     """E FeedForward experts, seeded: the same weights on every rank."""
-    torch.manual_seed(seed)
-    return nn.ModuleList(FeedForward(d_model, d_ff) for _ in range(n_experts))
+    with seeded(seed):
+        return nn.ModuleList(FeedForward(d_model, d_ff) for _ in range(n_experts))
 
 
 def run_experts(experts: nn.ModuleList, rows: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:

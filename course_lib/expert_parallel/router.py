@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from course_lib.models import seeded
+
 
 @dataclass
 class Routing:
@@ -71,8 +73,8 @@ class TopKRouter(nn.Module):
         super().__init__()
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"top_k must be between 1 and the number of experts ({n_experts}), got {top_k}")
-        torch.manual_seed(seed)
-        self.gate = nn.Linear(d_model, n_experts, bias=False)
+        with seeded(seed):
+            self.gate = nn.Linear(d_model, n_experts, bias=False)
         self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
 
     def forward(self, x: torch.Tensor) -> Routing:

@@ -16,6 +16,8 @@ import torch
 import torch.distributed.rpc as rpc
 from torch import nn
 
+from course_lib.models import seeded
+
 
 def echo(value: Any) -> Any:
     """Return the argument: a round trip that measures the transport, not the work."""
@@ -72,8 +74,8 @@ class RemoteModel(nn.Module):
 
     def __init__(self, d_in: int = 4, d_out: int = 2, seed: int = 0):
         super().__init__()
-        torch.manual_seed(seed)
-        self.linear = nn.Linear(d_in, d_out)
+        with seeded(seed):
+            self.linear = nn.Linear(d_in, d_out)
         # No threading.Lock in here: `rref.to_here()` pickles the whole object, and a lock cannot be pickled.
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
