@@ -1,4 +1,4 @@
-"""Synthetic data sets: deterministic, small, learnable."""
+"""Synthetic data sets, and the one way the course cuts them into global batches and a rank's rows."""
 
 from __future__ import annotations
 
@@ -13,3 +13,28 @@ def regression(n: int = 256, d_in: int = 32, d_out: int = 8, seed: int = 0, nois
     w = torch.randn(d_in, d_out, generator=g) / d_in**0.5
     y = torch.tanh(x @ w) + noise * torch.randn(n, d_out, generator=g)
     return TensorDataset(x, y)
+
+
+def batch_for_step(
+    data: TensorDataset, step: int, global_batch: int, rank: int = 0, world_size: int = 1, shuffle_seed: int | None = 0
+) -> tuple[torch.Tensor, ...]:
+    """Rank `rank`'s rows of global batch number `step`: its contiguous global_batch // world_size of them (where
+    world_size does not divide the batch, the last rows go unused).
+
+    The global batch is a pure function of the step: epoch after epoch through `data`, each epoch in a permutation
+    seeded by `shuffle_seed` + epoch (None: in order). So one process (world_size=1) sees the same global batches as
+    N ranks together, at any N, and a resumed run continues with exactly the samples the interrupted one would have
+    seen: there is no sampler state to save.
+    """
+    n = len(data)
+    if not 0 < global_batch <= n:
+        raise ValueError(f"a global batch of {global_batch} samples must be positive and fit in the {n} samples")
+    epoch, index = divmod(step, n // global_batch)
+    if shuffle_seed is None:
+        order = torch.arange(n)
+    else:
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(shuffle_seed + epoch))
+    per_rank = global_batch // world_size
+    start = index * global_batch + rank * per_rank
+    rows = order[start : start + per_rank]
+    return tuple(t[rows] for t in data.tensors)

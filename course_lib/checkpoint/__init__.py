@@ -44,7 +44,6 @@ from course_lib.checkpoint.replicas import SyncComparison, TorchftRun, compare_s
 from course_lib.checkpoint.sharded import Loaded, flat_tensors, load_sharded, read_plan, save_sharded, shard_rows
 from course_lib.checkpoint.snapshot import load_full_snapshot, save_full_snapshot
 from course_lib.checkpoint.train import (
-    batch_for_step,
     differing,
     full_state,
     local_state,
@@ -69,7 +68,6 @@ __all__ = [
     "SyncComparison",
     "TorchftRun",
     "agent_messages",
-    "batch_for_step",
     "bytes_read_by_process",
     "check_agreed_resume_step",
     "check_verify_together",

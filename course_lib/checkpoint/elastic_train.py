@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from course_lib.checkpoint.dcp import AppState, dcp_load, dcp_save
 from course_lib.checkpoint.integrity import latest_complete
-from course_lib.checkpoint.train import batch_for_step, make_optimizer, sharded_mlp, train_step
+from course_lib.checkpoint.train import make_optimizer, sharded_mlp, train_step
+from course_lib.data import batch_for_step, regression
 from course_lib.launch.backend import NCCL_PROCESS_GROUP
 
 EVENTS = "events.jsonl"  # rank 0's log: one JSON object per line (start, step, pause)
@@ -71,8 +72,6 @@ def wait_for_membership_change(limit_s: float, on_ready: Callable[[], None] = la
 
 def reference_losses(total_steps: int, global_batch: int) -> list[float]:
     """The same training from step 0, uninterrupted, at this world size: what the elastic run must match."""
-    from course_lib.data import regression
-
     rank, world = dist.get_rank(), dist.get_world_size()
     data = regression(n=480)
     model = sharded_mlp()
@@ -98,8 +97,6 @@ def train_elastic(
     the world size it paused with (the agents restarted without the change) waits again. Rank 0 logs to
     ROOT/events.jsonl and, once per world size, the losses of an uninterrupted run to reference_<W>.json.
     """
-    from course_lib.data import regression
-
     root = Path(root)
     join_group(backend, timeout_s)
     rank, world = dist.get_rank(), dist.get_world_size()

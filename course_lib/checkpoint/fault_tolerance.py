@@ -131,7 +131,7 @@ def train_replica(
 ) -> None:
     """One replica group of one process: torchft's DDP and Optimizer around the course's MLP, `total_steps` steps.
 
-    Each step's global batch (:func:`~course_lib.checkpoint.train.batch_for_step`) is split over the replicas of
+    Each step's global batch (:func:`course_lib.data.batch_for_step`) is split over the replicas of
     that step's quorum, so the mathematics does not depend on how many take part. ``pause_at``: stop before that
     step and wait to be killed. ``wait_for_rejoin_at``: before that step, wait until the lighthouse has a rejoining
     replica's request to join. (Without it the newcomer joins at the first step it asks before the others: when every
@@ -140,8 +140,7 @@ def train_replica(
     """
     from torchft import DistributedDataParallel, Optimizer
 
-    from course_lib.checkpoint.train import batch_for_step
-    from course_lib.data import regression
+    from course_lib.data import batch_for_step, regression
     from course_lib.models import MLP
 
     root = Path(root)
@@ -190,8 +189,7 @@ def train_replica(
 
 def reference_losses(total_steps: int) -> list[float]:
     """The same training in one process without any failure: the whole global batch every step."""
-    from course_lib.checkpoint.train import batch_for_step
-    from course_lib.data import regression
+    from course_lib.data import batch_for_step, regression
     from course_lib.models import MLP
 
     data = regression(n=480)

@@ -48,8 +48,7 @@ def train_synced(
     from torchft import DistributedDataParallel, Optimizer
     from torchft.local_sgd import DiLoCo, LocalSGD
 
-    from course_lib.checkpoint.train import batch_for_step
-    from course_lib.data import regression
+    from course_lib.data import batch_for_step, regression
     from course_lib.models import MLP
 
     root = Path(root)

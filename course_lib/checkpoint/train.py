@@ -1,9 +1,9 @@
 """The training the examples share, the fault-tolerant loop, and the stall a save causes.
 
-One FSDP2 MLP, its optimizer, and batches that are a pure function of the step (a resumed job sees exactly
-the samples the interrupted one would have); :func:`train_resumable` runs under ``torchrun --max-restarts``;
-:func:`time_saves` measures how long each kind of save blocks training; :func:`full_state`,
-:func:`local_state` and :func:`differing` say whether two runs hold the same bits.
+One FSDP2 MLP and its optimizer, trained on batches that are a pure function of the step
+(:func:`course_lib.data.batch_for_step`); :func:`train_resumable` runs under ``torchrun --max-restarts``;
+:func:`time_saves` measures how long each kind of save blocks training; :func:`full_state`, :func:`local_state`
+and :func:`differing` say whether two runs hold the same bits.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import TensorDataset
 
 from course_lib.checkpoint.atomic import _barrier, _rank_world
 from course_lib.checkpoint.dcp import AppState, AsyncCheckpointer, dcp_load, dcp_save
 from course_lib.checkpoint.integrity import latest_complete
 from course_lib.checkpoint.sharded import flat_tensors
 from course_lib.compare import local_tensor
+from course_lib.data import batch_for_step, regression
 from course_lib.launch.runtime import rank_device
 from course_lib.models import MLP, shard_layers_then_root
 
@@ -36,22 +36,6 @@ def sharded_mlp(seed: int = 0, **mlp_kwargs: Any) -> torch.nn.Module:
 def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     """Adam: two state tensors per parameter, so a checkpoint holds 12 bytes per parameter in all."""
     return torch.optim.Adam(model.parameters(), lr=1e-2)
-
-
-def batch_for_step(
-    data: TensorDataset, step: int, global_batch: int, rank: int, world_size: int, seed: int = 0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's slice of global batch number `step`: a pure function of the step, so a resumed job
-    continues with exactly the samples the interrupted one would have seen (no sampler state to save)."""
-    n = len(data)
-    per_epoch = n // global_batch
-    epoch, index = divmod(step, per_epoch)
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
-    batch = order[index * global_batch : (index + 1) * global_batch]
-    per_rank = global_batch // world_size
-    mine = batch[rank * per_rank : (rank + 1) * per_rank]
-    x, y = data.tensors
-    return x[mine], y[mine]
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -87,8 +71,6 @@ def train_resumable(
     other ranks and restarts the whole group, which resumes here. Rank 0 appends one JSON line per step
     to `log`. Returns (model, optimizer, first step of this attempt).
     """
-    from course_lib.data import regression
-
     rank, world_size = _rank_world()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     data = regression(n=480)

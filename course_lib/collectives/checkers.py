@@ -16,6 +16,7 @@ from course_lib.collectives.ring import chunk_sizes
 from course_lib.exercises import ExerciseFailed, expect_equal, refusing
 from course_lib.exercises.calls import (
     COLLECTIVES,
+    DEADLOCK_S,
     NONBLOCKING_P2P,
     gather_reports,
     record_calls,
@@ -34,7 +35,6 @@ _COURSE_RING = (  # what section 4 shows after the exercises: the answer, not a 
     ring.ring_all_reduce,
 )
 _WRITE_IT = "this calls the course's own ring (section 4 shows it): write the sends and receives yourself"
-_TIMEOUT_S = 8.0  # a deadlocked pass_right fails after this long
 
 
 # Sizes the checks try: divisible, not divisible, fewer elements than ranks are added per N.
@@ -124,14 +124,14 @@ def check_pass_right(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
     tokens = [torch.empty_like(token) for _ in range(n)]
     dist.all_gather(tokens, token)
     advice = "the exercise is to fix the order of the blocking dist.send and dist.recv"
-    with record_calls(forbidden=COLLECTIVES + NONBLOCKING_P2P, advice=advice, bound_s=_TIMEOUT_S) as recorded:
-        got, error = run_bounded(fn, token.clone(), seconds=_TIMEOUT_S)
+    with record_calls(forbidden=COLLECTIVES + NONBLOCKING_P2P, advice=advice, bound_s=DEADLOCK_S) as recorded:
+        got, error = run_bounded(fn, token.clone())
     calls = [(call.name, None if call.peer is None else int(call.peer)) for call in recorded]
     reports = gather_reports((calls, error is not None), side)
     made = "; ".join(f"rank {r}: {_describe(c)}" for r, (c, _) in enumerate(reports))
     stuck = [r for r, (_, failed) in enumerate(reports) if failed]
     if stuck:
-        raise ExerciseFailed(f"deadlock: ranks {stuck} still waited after {_TIMEOUT_S:g} s. Calls in order: {made}")
+        raise ExerciseFailed(f"deadlock: ranks {stuck} still waited after {DEADLOCK_S:g} s. Calls in order: {made}")
     waiting = waiting_forever([c for c, _ in reports])
     if waiting:
         raise ExerciseFailed(

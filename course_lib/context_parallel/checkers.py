@@ -20,6 +20,7 @@ from course_lib.exercises import ExerciseFailed, expect_equal, refusing
 from course_lib.exercises.calls import (
     BLOCKING_P2P,
     COLLECTIVES,
+    DEADLOCK_S,
     NONBLOCKING_P2P,
     gather_reports,
     record_calls,
@@ -28,7 +29,6 @@ from course_lib.exercises.calls import (
 )
 from course_lib.launch.runtime import rank_device
 
-_TIMEOUT_S = 8.0  # a ring that deadlocks fails after this long
 _RING_ONLY = "pass the K/V blocks around the ring with dist.send/recv, isend/irecv or batch_isend_irecv"
 
 
@@ -61,11 +61,11 @@ def check_ring_forward(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], 
         expected = F.scaled_dot_product_attention(full_q, full_k, full_v)[:, :, rank * chunk : (rank + 1) * chunk]
         device = rank_device()
         with (
-            record_calls(forbidden=COLLECTIVES, advice=_RING_ONLY, bound_s=_TIMEOUT_S) as calls,
+            record_calls(forbidden=COLLECTIVES, advice=_RING_ONLY, bound_s=DEADLOCK_S) as calls,
             _Longest() as seen,
             refusing(Ring, RingAttention, ring_attention, why=_WRITE_THE_RING),
         ):
-            got, error = run_bounded(fn, q.to(device), k.to(device), v.to(device), seconds=_TIMEOUT_S)
+            got, error = run_bounded(fn, q.to(device), k.to(device), v.to(device))
         reports = gather_reports((None if error is None else f"{type(error).__name__}: {error}", seen.longest), side)
         failed = [(r, e) for r, (e, _) in enumerate(reports) if e is not None]
         if failed:

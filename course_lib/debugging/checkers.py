@@ -17,6 +17,7 @@ from torch import nn
 from course_lib import comms
 from course_lib.debugging.checksums import checksum_range, gradient_checksums
 from course_lib.exercises import ExerciseFailed, refusing
+from course_lib.exercises.calls import DEADLOCK_S
 from course_lib.launch.runtime import rank_device
 
 WRITE_THE_CHECKSUMS = (
@@ -94,7 +95,6 @@ def check_gradients_in_sync(fn: Callable[[nn.Module], object]) -> None:
 
 # ---- diagnose: a rank that skips a collective ----------------------------------------------------------------
 
-COLLECTIVE_TIMEOUT_S = 6  # a collective that some rank skipped fails after this, instead of hanging
 _COLLECTIVES = (
     "all_reduce",
     "all_gather",
@@ -136,7 +136,7 @@ def check_mean_finite_loss(fn: Callable[[torch.Tensor], object]) -> None:
     same on every rank. Each rank's loss is its own secret; every rank must make the same collective calls."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = rank_device()
-    timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    timeout = timedelta(seconds=DEADLOCK_S)
     learner_group, checker_group = dist.new_group(timeout=timeout), dist.new_group(timeout=timeout)
     salt = torch.randint(0, 2**30, (1,), device=device)
     dist.broadcast(salt, src=0, group=checker_group)
@@ -156,7 +156,7 @@ def check_mean_finite_loss(fn: Callable[[torch.Tensor], object]) -> None:
                 got = fn(torch.tensor(value, device=device))
             except RuntimeError as error:
                 raise ExerciseFailed(
-                    f"{what}: rank {rank} waited {COLLECTIVE_TIMEOUT_S} s in a collective that some rank never "
+                    f"{what}: rank {rank} waited {DEADLOCK_S:g} s in a collective that some rank never "
                     f"called ({str(error).splitlines()[0][:80]})"
                 ) from None
         counts = [torch.zeros((), dtype=torch.long, device=device) for _ in range(world)]

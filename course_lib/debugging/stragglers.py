@@ -26,13 +26,13 @@ def straggler_steps(
     CPU, a noisy neighbour, a slow data loader). Returns this rank's seconds per step: "work" (forward,
     backward, the sleep), "wait" (in the all-reduce: waiting for the last rank, then the transfer) and "step".
     """
-    from course_lib.data import regression
+    from course_lib.data import batch_for_step, regression
     from course_lib.models import MLP
 
     device = torch.device(device)
     rank, world = dist.get_rank(), dist.get_world_size()
     data = regression(n=batch * world)
-    x, y = (t[rank * batch : (rank + 1) * batch].to(device) for t in data.tensors)  # each rank its own samples
+    x, y = (t.to(device) for t in batch_for_step(data, 0, batch * world, rank, world, shuffle_seed=None))
     model = MLP().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     times: dict[str, list[float]] = {"work": [], "wait": [], "step": []}

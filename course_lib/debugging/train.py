@@ -19,7 +19,7 @@ def train_monitored(
     """
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from course_lib.data import regression
+    from course_lib.data import batch_for_step, regression
     from course_lib.models import MLP
 
     device = torch.device(device)
@@ -28,10 +28,8 @@ def train_monitored(
     model = DDP(MLP().to(device), device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     monitor = StepMonitor(device)
-    per_epoch = len(data) // (batch * world)
     for i in range(steps):
-        start = ((i % per_epoch) * world + rank) * batch
-        x, y = (t[start : start + batch].to(device) for t in data.tensors)
+        x, y = (t.to(device) for t in batch_for_step(data, i, batch * world, rank, world, shuffle_seed=None))
         with monitor.step(batch):
             optimizer.zero_grad()
             loss = nn.functional.mse_loss(model(x), y)

@@ -45,6 +45,7 @@ COLLECTIVES = (
 BLOCKING_P2P = ("send", "recv")
 NONBLOCKING_P2P = ("isend", "irecv", "batch_isend_irecv")
 COMMUNICATION = COLLECTIVES + BLOCKING_P2P + NONBLOCKING_P2P  # every call record_calls sees
+DEADLOCK_S = 8.0  # a checked function still waiting this long in a collective, a send or a recv is deadlocked
 
 
 @dataclass
@@ -118,7 +119,7 @@ def _unwrapping(original_op: type[dist.P2POp]) -> Callable[..., dist.P2POp]:
     return make
 
 
-def run_bounded(fn: Callable[..., Any], *args: Any, seconds: float = 8.0) -> tuple[Any, BaseException | None]:
+def run_bounded(fn: Callable[..., Any], *args: Any, seconds: float = DEADLOCK_S) -> tuple[Any, BaseException | None]:
     """fn(*args) with the default group's timeout lowered to `seconds`: (result, None) or (None, the error).
 
     A rank stuck in a collective that not every rank calls raises after `seconds` (gloo; NCCL's watchdog

@@ -12,7 +12,7 @@ Memory per rank (counted and predicted) is in :mod:`course_lib.memory`, comparis
 
 from course_lib.fsdp.checkers import check_reduce_gradient, check_shard_with_adam_state
 from course_lib.fsdp.compiled import COMPILE_ORDERS, compile_blocks_then_shard, shard_then_compile
-from course_lib.fsdp.train import global_batches, make_model, train
+from course_lib.fsdp.train import dataset, make_model, train
 from course_lib.fsdp.zero import ShardedUnit, ZeroModel, collectives_per_step
 
 __all__ = [
@@ -23,7 +23,7 @@ __all__ = [
     "check_shard_with_adam_state",
     "collectives_per_step",
     "compile_blocks_then_shard",
-    "global_batches",
+    "dataset",
     "make_model",
     "shard_then_compile",
     "train",

@@ -1,5 +1,5 @@
 """Notebook 03's training harness: one fixed data set, the notebook's MLP, and a loop that one
-process (the reference, whole global batches) and every rank (its slice of each batch) run alike."""
+process (the reference, whole global batches) and every rank (its rows of each batch) run alike."""
 
 from __future__ import annotations
 
@@ -7,22 +7,14 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.utils.data import TensorDataset
+
+from course_lib.data import batch_for_step, regression
 
 
-def global_batches(
-    steps: int, global_batch: int, seed: int = 0, pool: int = 1024
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The first `steps` batches of one fixed regression data set (32 -> 7 features): the same
-    data set whatever `steps` is, so a run can be continued (train(..., first_step=k))."""
-    from course_lib.data import regression
-
-    if steps * global_batch > pool:
-        raise ValueError(f"{steps} batches of {global_batch} need more than the {pool} samples")
-    x, y = regression(n=pool, d_out=7, seed=seed).tensors
-    return [
-        (x[s * global_batch : (s + 1) * global_batch], y[s * global_batch : (s + 1) * global_batch])
-        for s in range(steps)
-    ]
+def dataset() -> TensorDataset:
+    """The notebook's data: 1024 samples of one fixed regression task, 32 -> 7 features, taken in order."""
+    return regression(n=1024, d_out=7)
 
 
 def make_model() -> nn.Module:
@@ -45,13 +37,14 @@ def train(
     first_step: int = 0,
 ) -> list[float]:
     """`steps` optimizer steps. Each global batch has micro_batch x world_size samples; rank r trains
-    on its r-th slice (world_size=1: one process, the whole batch: the reference run).
+    on its rows of it (:func:`course_lib.data.batch_for_step`; world_size=1: one process, the whole batch:
+    the reference run).
     `clip()` is called between backward and step (gradient clipping); `first_step` continues a run
     (global batch number `first_step` comes next). Returns rank-local losses."""
-    losses = []
-    for x, y in global_batches(first_step + steps, micro_batch * world_size)[first_step:]:
-        lo = rank * micro_batch
-        x, y = x[lo : lo + micro_batch].to(device), y[lo : lo + micro_batch].to(device)
+    data, losses = dataset(), []
+    for step in range(first_step, first_step + steps):
+        batch = batch_for_step(data, step, micro_batch * world_size, rank, world_size, shuffle_seed=None)
+        x, y = (t.to(device) for t in batch)
         optimizer.zero_grad(set_to_none=True)
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()

@@ -17,11 +17,10 @@ Importing this package does not import torch (a rank imports it before recording
 from course_lib.launch.backend import BACKENDS, LaunchError, available_gpus, resolve_backend
 from course_lib.launch.failures import RankFailedError, RankFailure, RunResult, RunTimeoutError
 from course_lib.launch.launcher import launch, standalone_script
-from course_lib.launch.spec import DEFAULT_TIMEOUT_S, RunSpec
+from course_lib.launch.spec import RunSpec
 
 __all__ = [
     "BACKENDS",
-    "DEFAULT_TIMEOUT_S",
     "LaunchError",
     "RankFailedError",
     "RankFailure",

@@ -15,10 +15,9 @@ from typing import Any
 from course_lib.launch import failures, output, processes
 from course_lib.launch.failures import RankFailedError, RunResult, RunTimeoutError
 from course_lib.launch.output import Write, print_to_notebook
-from course_lib.launch.spec import DEFAULT_TIMEOUT_S, RunDir, RunSpec
+from course_lib.launch.spec import RunDir, RunSpec
 
 __all__ = [
-    "DEFAULT_TIMEOUT_S",
     "RankFailedError",
     "RunResult",
     "RunTimeoutError",

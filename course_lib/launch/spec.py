@@ -22,7 +22,7 @@ from typing import Any
 
 from course_lib.launch.backend import LaunchError, resolve_backend
 
-DEFAULT_TIMEOUT_S = 300.0
+RUN_TIMEOUT_S = 300.0  # wall-clock limit of a whole run, start-up included (a rank that hangs is stopped)
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class RunSpec:
 
     nproc: int = 2  # ranks on this node
     backend: str = "auto"  # "gloo" or "nccl" once created
-    timeout: float = DEFAULT_TIMEOUT_S  # wall-clock seconds for the whole run, start-up included
+    timeout: float = RUN_TIMEOUT_S  # wall-clock seconds for the whole run, start-up included
     out: tuple[str, ...] = ()  # names whose per-rank values come back
     push: tuple[str, ...] = ()  # names whose notebook values the ranks receive (values travel in push.pt)
     stream: bool = False  # rank output live instead of grouped after the run

@@ -18,6 +18,7 @@ from torch import nn
 
 from course_lib.compare import grad_of
 from course_lib.exercises import ExerciseFailed, calls_into
+from course_lib.exercises.calls import DEADLOCK_S
 from course_lib.pipeline.execution import execute
 from course_lib.pipeline.schedules import (
     Action,
@@ -162,9 +163,6 @@ def _run_and_compare(actions: Sequence[Action], p: int, m: int, seed: int) -> No
             raise ExerciseFailed(f"stage {rank}: gradient of parameter {i} differs from single-process training")
 
 
-RECV_TIMEOUT_S = 10  # a rank still waiting in recv this long waits for a message that never comes: a deadlock
-
-
 @contextmanager
 def _p2p_through(group: dist.ProcessGroup, counts: dict[str, int]) -> Iterator[None]:
     """During the block, dist.send/recv/isend/irecv without a group go through `group` (short timeout), counted."""
@@ -192,11 +190,11 @@ def check_pipeline_step(fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], An
 
     Rank k holds stage k of a seeded 64-wide MLP; only rank 0 has the real input and only the last rank the
     real target (the others get NaN of the same shape), so the step cannot be done without the messages. A rank
-    that waits in recv for more than RECV_TIMEOUT_S seconds fails with "deadlock". The loss and every
+    that waits in recv for more than DEADLOCK_S seconds fails with "deadlock". The loss and every
     stage's gradients must equal single-process training.
     """
     rank, p = dist.get_rank(), dist.get_world_size()
-    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=RECV_TIMEOUT_S))
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=DEADLOCK_S))
     for seed, batch in ((3, 8), (4, 5)):
         model = course_model(n_units=max(p, 2), seed=seed)
         torch.manual_seed(seed)
@@ -214,7 +212,7 @@ def check_pipeline_step(fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], An
                 raise
             raise ExerciseFailed(
                 f"rank {rank} of {p}: stuck in recv (batch {batch}; it, or the rank it waited on, gave up after "
-                f"{RECV_TIMEOUT_S} s): the ranks wait for messages no rank has sent yet: a deadlock"
+                f"{DEADLOCK_S:g} s): the ranks wait for messages no rank has sent yet: a deadlock"
             ) from None
         if p > 1 and not counts:
             raise ExerciseFailed(f"rank {rank}: sent and received nothing; stage {rank} needs the other stages' data")

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib.compare import grad_of, local_tensor
+from course_lib.data import batch_for_step, regression
 from course_lib.precision.loss_scaler import DynamicLossScaler, local_grads
 
 Batches = Iterable[tuple[torch.Tensor, torch.Tensor]]
@@ -64,21 +65,14 @@ def amp_training_loop(
 def rank_batches(
     n_steps: int, global_batch: int, device: torch.device, seed: int = 0
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's micro-batches of the shared regression data: global batch s, its rows rank::world_size.
+    """This rank's micro-batches of the shared regression data: its rows of global batches 0 .. n_steps - 1.
 
     The global batches are the same for any number of ranks, so results compare across world sizes.
     """
-    from course_lib.data import regression
-
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    x, y = regression(n=n_steps * global_batch, seed=seed).tensors
-    return [
-        (
-            x[s * global_batch : (s + 1) * global_batch][rank::world].to(device),
-            y[s * global_batch : (s + 1) * global_batch][rank::world].to(device),
-        )
-        for s in range(n_steps)
-    ]
+    data = regression(n=n_steps * global_batch, seed=seed)
+    batches = (batch_for_step(data, s, global_batch, rank, world, shuffle_seed=None) for s in range(n_steps))
+    return [(x.to(device), y.to(device)) for x, y in batches]
 
 
 PRECISION_MODES = ("fp32", "bf16 autocast", "fp16 autocast, no scaling", "fp16 autocast + GradScaler")

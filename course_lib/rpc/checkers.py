@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from course_lib.exercises import ExerciseFailed
+from course_lib.exercises.calls import DEADLOCK_S
 from course_lib.rpc.agent import start, worker_name
 
 AddFn = Callable[[rpc.RRef, int], int]  # add_fn(counter_rref, amount) -> the total after this update
@@ -91,8 +92,6 @@ def _trainer_counts(counter_rref: rpc.RRef, add_fn: AddFn, trainer_rank: int, ca
 
 # ---- diagnose: a rendezvous on the owner ------------------------------------------------------------------
 
-JOIN_TIMEOUT_S = 8.0  # a caller whose future is never completed fails after this, instead of hanging
-
 
 class Rendezvous:
     """State on the owner: `expected` calls make a round; each caller's reply is the round's sorted values."""
@@ -128,7 +127,7 @@ def _trainer_joins(rendezvous_rref: rpc.RRef, join_fn: JoinFn, values: list[list
     replies: list[list[object]] = []
     for round_values in values:
         futures = [
-            rpc.rpc_async(owner, _join_on_owner, args=(rendezvous_rref, join_fn, v), timeout=JOIN_TIMEOUT_S)
+            rpc.rpc_async(owner, _join_on_owner, args=(rendezvous_rref, join_fn, v), timeout=DEADLOCK_S)
             for v in round_values
         ]
         got: list[object] = []
@@ -184,7 +183,7 @@ def _first_wrong_reply(replies: dict[int, list[list[object]]], values: dict, rou
             for reply in got:
                 if reply == "timeout":
                     return (
-                        f"trainer{r}, round {k}: no reply within {JOIN_TIMEOUT_S:.0f} s: the future your function "
+                        f"trainer{r}, round {k}: no reply within {DEADLOCK_S:.0f} s: the future your function "
                         f"returned to this caller was never completed"
                     )
                 if isinstance(reply, tuple) and reply[:1] == ("not a future",):

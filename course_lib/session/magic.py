@@ -18,7 +18,7 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 
 from course_lib.launch.backend import LaunchError
 from course_lib.session import session as sessions
-from course_lib.session.session import DEFAULT_TIMEOUT_S, NO_SESSION, SessionError, Settings
+from course_lib.session.session import NO_SESSION, PROCESS_GROUP_TIMEOUT_S, SessionError, Settings
 
 
 class _Parser(argparse.ArgumentParser):
@@ -32,9 +32,9 @@ PARSER.add_argument("-n", "--nproc", metavar="N", help="ranks (engines), one tor
 PARSER.add_argument("--backend", default="auto", metavar="NAME", help="auto (default), gloo or nccl")
 PARSER.add_argument(
     "--timeout",
-    default=DEFAULT_TIMEOUT_S,
+    default=PROCESS_GROUP_TIMEOUT_S,
     metavar="S",
-    help=f"process-group timeout: how long a collective waits for missing ranks (default {DEFAULT_TIMEOUT_S:g} s)",
+    help=f"process-group timeout: how long a collective waits for a late rank (default {PROCESS_GROUP_TIMEOUT_S:g} s)",
 )
 
 

@@ -21,7 +21,7 @@ from course_lib.launch.spec import RunSpec
 from course_lib.session import processes
 from course_lib.session.processes import START_TIMEOUT_S, SessionDir
 
-DEFAULT_TIMEOUT_S = 60.0  # the process-group timeout: how long a collective waits for missing ranks
+PROCESS_GROUP_TIMEOUT_S = 60.0  # the process-group timeout: how long a collective waits for missing ranks
 INTERRUPT_GRACE_S = 5.0  # after SIGINT, how long the ranks get to stop before the session restarts
 RESTART = "run %dist restart"
 NO_SESSION = "no session is running: run %dist start -n N first"
@@ -48,7 +48,7 @@ class Settings:
     timeout: float
 
     @classmethod
-    def create(cls, nproc: object, backend: object = "auto", timeout: object = DEFAULT_TIMEOUT_S) -> Settings:
+    def create(cls, nproc: object, backend: object = "auto", timeout: object = PROCESS_GROUP_TIMEOUT_S) -> Settings:
         """Checked like a %%torchrun request (RunSpec.create): LaunchError for anything that cannot run."""
         spec = RunSpec.create(nproc=nproc, backend=backend, timeout=timeout)
         return cls(spec.nproc, spec.backend, spec.timeout)

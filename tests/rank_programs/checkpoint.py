@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from course_lib import checkpoint as ck
-from course_lib.data import regression
+from course_lib.data import batch_for_step, regression
 
 
 def reshard(rank: int, world_size: int, *, root: str, source: int | None) -> dict:
@@ -26,7 +26,7 @@ def reshard(rank: int, world_size: int, *, root: str, source: int | None) -> dic
     if source is None:  # the first job: train, then save the full snapshot and both sharded formats
         data = regression(n=480)
         for step in range(2):
-            ck.train_step(model, optimizer, *ck.batch_for_step(data, step, 48, rank, world_size))
+            ck.train_step(model, optimizer, *batch_for_step(data, step, 48, rank, world_size))
         app.step = 2
         ck.save_full_snapshot(base / "snapshot.pt", model, optimizer, step=2)
     else:  # a later job with another world size: load both formats and the snapshot
