@@ -26,10 +26,6 @@ class BlockShape:
     n_heads: int
     d_ff: int
 
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
-
 
 # The course's block: 48 wide, 12 heads of 4, 192 hidden units. 12 heads split over 1, 2, 3, 4, 6 and 12 ranks.
 BLOCK = BlockShape(d_model=48, n_heads=12, d_ff=192)
