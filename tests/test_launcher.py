@@ -504,3 +504,45 @@ def test_an_error_file_is_whole_or_absent(tmp_path, monkeypatch):
     write_error_file(raised, str(path))
     failure = failure_from_error_file(2, path, str(cell))
     assert (failure.rank, failure.kind, failure.summary, failure.cell_line) == (2, "raised", "ValueError: boom", 2)
+
+
+TORCHRUN_SUMMARY = """\
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+<torchrun cell> FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-12-04_02:10:00
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 123)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 123
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-04_02:10:00
+  host      : localhost
+  rank      : 2 (local_rank: 2)
+  exitcode  : -9 (pid: 125)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 125
+============================================================
+"""
+
+
+def test_one_reader_of_torchruns_summary_serves_both_magics(tmp_path):
+    from types import SimpleNamespace
+
+    from course_lib.launch.failures import exit_codes, how_it_ended
+    from course_lib.session.processes import first_failure
+
+    codes = exit_codes(TORCHRUN_SUMMARY)
+    assert list(codes.items()) == [(2, -9), (0, -15)]  # the root cause first, though printed last
+    assert (how_it_ended(-9), how_it_ended(3)) == ("SIGKILL", "exit code 3")
+    log = tmp_path / "agent.log"
+    log.write_text(TORCHRUN_SUMMARY)
+    assert first_failure(SimpleNamespace(agent_log=log)) == "rank 2 (SIGKILL)"  # what %dist reports
+    log.write_text("no summary: the agent is still running\n")
+    assert exit_codes(log.read_text()) == {} and first_failure(SimpleNamespace(agent_log=log)) is None

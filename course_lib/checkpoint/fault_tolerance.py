@@ -189,21 +189,14 @@ def train_replica(
 
 def reference_losses(total_steps: int) -> list[float]:
     """The same training in one process without any failure: the whole global batch every step."""
-    from course_lib.data import batch_for_step, regression
+    from course_lib import training
+    from course_lib.data import regression
     from course_lib.models import MLP
 
-    data = regression(n=480)
     model = MLP()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(total_steps):
-        x, y = batch_for_step(data, step, GLOBAL_BATCH, 0, 1)
-        optimizer.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
+    return training.train(
+        model, torch.optim.Adam(model.parameters(), lr=1e-2), regression(n=480), total_steps, GLOBAL_BATCH
+    )
 
 
 def step_losses(events: list[list[dict]]) -> dict[int, float]:

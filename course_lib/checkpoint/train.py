@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from course_lib import training
 from course_lib.checkpoint.atomic import _barrier, _rank_world
 from course_lib.checkpoint.dcp import AppState, AsyncCheckpointer, dcp_load, dcp_save
 from course_lib.checkpoint.integrity import latest_complete
@@ -41,11 +42,7 @@ def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
     """One optimizer step; returns the mean loss over all ranks (the global batch's loss)."""
     device = next(model.parameters()).device
-    optimizer.zero_grad()
-    loss = torch.nn.functional.mse_loss(model(x.to(device)), y.to(device))
-    loss.backward()
-    optimizer.step()
-    mean = loss.detach().clone()
+    mean = training.step(model, optimizer, x.to(device), y.to(device)).clone()
     if dist.is_initialized():
         dist.all_reduce(mean, op=dist.ReduceOp.AVG)
     return mean.item()
@@ -103,7 +100,8 @@ def local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tor
     tensors = list(model.parameters())
     for state in optimizer.state.values():
         tensors += [v for _, v in sorted(state.items())]
-    return torch.cat([local_tensor(t).detach().reshape(-1).float() for t in tensors])
+    # .cpu(): an optimizer's step count stays on the CPU while the parameters live on the GPU
+    return torch.cat([local_tensor(t).detach().reshape(-1).float().cpu() for t in tensors])
 
 
 # ---- how long a save stalls training

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from course_lib.debugging.monitor import StepMonitor
 
@@ -19,22 +18,21 @@ def train_monitored(
     """
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from course_lib.data import batch_for_step, regression
+    from course_lib import training
+    from course_lib.data import regression
     from course_lib.models import MLP
 
     device = torch.device(device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    data = regression(n=batch * world * 4)
     model = DDP(MLP().to(device), device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     monitor = StepMonitor(device)
-    for i in range(steps):
-        x, y = (t.to(device) for t in batch_for_step(data, i, batch * world, rank, world, shuffle_seed=None))
-        with monitor.step(batch):
-            optimizer.zero_grad()
-            loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            optimizer.step()
-        if report:
-            print(f"step {i} {monitor.seconds[-1]:.6f} s {monitor.memory_mb[-1]:.3f} MB {loss.item():.6f}", flush=True)
+
+    def print_step(step: int, loss: float) -> None:
+        print(f"step {step} {monitor.seconds[-1]:.6f} s {monitor.memory_mb[-1]:.3f} MB {loss:.6f}", flush=True)
+
+    training.train(
+        model, torch.optim.SGD(model.parameters(), lr=lr), regression(n=batch * world * 4), steps, batch * world,
+        rank=rank, world_size=world, shuffle_seed=None, device=device,
+        around_step=lambda: monitor.step(batch), after_step=print_step if report else None,
+    )  # fmt: skip
     return monitor

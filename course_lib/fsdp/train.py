@@ -1,5 +1,5 @@
-"""Notebook 03's training harness: one fixed data set, the notebook's MLP, and a loop that one
-process (the reference, whole global batches) and every rank (its rows of each batch) run alike."""
+"""Notebook 03's training run: one fixed data set, the notebook's MLP, and the course's training loop over them,
+which one process (the reference, whole global batches) and every rank (its rows of each batch) run alike."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from course_lib.data import batch_for_step, regression
+from course_lib import training
+from course_lib.data import regression
 
 
 def dataset() -> TensorDataset:
@@ -36,20 +37,20 @@ def train(
     device: torch.device | str = "cpu",
     first_step: int = 0,
 ) -> list[float]:
-    """`steps` optimizer steps. Each global batch has micro_batch x world_size samples; rank r trains
-    on its rows of it (:func:`course_lib.data.batch_for_step`; world_size=1: one process, the whole batch:
-    the reference run).
-    `clip()` is called between backward and step (gradient clipping); `first_step` continues a run
-    (global batch number `first_step` comes next). Returns rank-local losses."""
-    data, losses = dataset(), []
-    for step in range(first_step, first_step + steps):
-        batch = batch_for_step(data, step, micro_batch * world_size, rank, world_size, shuffle_seed=None)
-        x, y = (t.to(device) for t in batch)
-        optimizer.zero_grad(set_to_none=True)
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        if clip is not None:
-            clip()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
+    """`steps` optimizer steps of :func:`course_lib.training.train` on the notebook's data, in order. Each global
+    batch has micro_batch x world_size samples; rank r trains on its rows of it (world_size=1: one process, the
+    whole batch: the reference run). `clip()` is called between backward and step (gradient clipping);
+    `first_step` continues a run. Returns rank-local losses."""
+    return training.train(
+        model,
+        optimizer,
+        dataset(),
+        steps,
+        micro_batch * world_size,
+        rank=rank,
+        world_size=world_size,
+        first_step=first_step,
+        shuffle_seed=None,
+        device=device,
+        before_step=clip,
+    )

@@ -89,7 +89,7 @@ class ShardedBatches:
     def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         mine = self.starts(step)[self.rows().start : self.rows().stop]
         windows = torch.stack([self.tokens[s : s + self.seq + 1] for s in mine.tolist()])
-        return windows[:, :-1], windows[:, 1:]
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()  # a pipeline stage checks strides too
 
 
 def validation_windows(val: torch.Tensor, seq: int) -> tuple[torch.Tensor, torch.Tensor]:

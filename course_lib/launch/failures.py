@@ -94,12 +94,20 @@ def _signal_name(code: int) -> str:
         return f"signal {-code}"
 
 
-def _agent_exit_codes(agent_log: str) -> dict[int, int]:
-    """torchrun's failure summary: 'rank : 1 (local_rank: 1)' followed by 'exitcode : -9'."""
-    codes = {}
-    for match in re.finditer(r"rank\s*:\s*(\d+) \(local_rank.*?\n\s*exitcode\s*:\s*(-?\d+)", agent_log):
-        codes[int(match.group(1))] = int(match.group(2))
+def exit_codes(agent_log: str) -> dict[int, int]:
+    """torchrun's failure summary, rank -> exit code ('rank : 1 (local_rank: 1)' followed by 'exitcode : -9'), the
+    root cause (torchrun's first observed failure) first. The one reader of that summary, for both magics."""
+    root = agent_log.rfind("Root Cause")
+    ordered = agent_log[root:] + agent_log[:root] if root >= 0 else agent_log
+    codes: dict[int, int] = {}
+    for match in re.finditer(r"rank\s*:\s*(\d+) \(local_rank.*?\n\s*exitcode\s*:\s*(-?\d+)", ordered):
+        codes.setdefault(int(match.group(1)), int(match.group(2)))
     return codes
+
+
+def how_it_ended(code: int) -> str:
+    """'SIGKILL' for a rank killed by a signal, else 'exit code 3'."""
+    return _signal_name(code) if code < 0 else f"exit code {code}"
 
 
 def add_silent_deaths(attempts: list[Attempt], agent_log: str, run: RunDir) -> None:
@@ -150,7 +158,7 @@ def final_failures(attempts: list[Attempt], agent_log: str) -> list[RankFailure]
     raised = attempts[-1].failures if attempts else []
     failed = {f.rank for f in raised}
     died, stopped = [], []
-    codes = {r: c for r, c in sorted(_agent_exit_codes(agent_log).items()) if r not in failed}
+    codes = {r: c for r, c in sorted(exit_codes(agent_log).items()) if r not in failed}
     others_failed = bool(raised) or any(c != -signal.SIGTERM for c in codes.values())
     for rank, code in codes.items():
         if code == -signal.SIGTERM and others_failed:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -23,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from course_lib.launch.failures import exit_codes, how_it_ended
 from course_lib.launch.processes import agent_env, kill_group
 from course_lib.launch.spec import RunSpec
 
@@ -134,16 +134,11 @@ def alive(pid: int) -> bool:
 
 
 def first_failure(folder: SessionDir) -> str | None:
-    """'rank 2 (exitcode -9)' from torchrun's report of the first rank that died, if it wrote one."""
+    """'rank 2 (SIGKILL)' from torchrun's report of the first rank that died, if it wrote one."""
     text = folder.agent_log.read_text(errors="replace") if folder.agent_log.exists() else ""
-    found = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", text, re.S)
-    if not found:
-        return None
-    rank, code = found.groups()
-    with contextlib.suppress(ValueError):
-        if int(code) < 0:
-            return f"rank {rank} ({signal.Signals(-int(code)).name})"
-    return f"rank {rank} (exit code {code})"
+    for rank, code in exit_codes(text).items():
+        return f"rank {rank} ({how_it_ended(code)})"
+    return None
 
 
 def interrupt(pids: list[int]) -> None:
