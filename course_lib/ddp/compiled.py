@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from course_lib import training
 from course_lib.ddp.comm_hooks import recording_hook
 from course_lib.launch.runtime import seconds_in_turns
 
@@ -91,11 +92,7 @@ def compiled_against_eager(
     optimizers = {name: torch.optim.SGD(model.parameters(), lr=lr) for name, model in models.items()}
 
     def step(name: str, x: torch.Tensor, y: torch.Tensor) -> float:
-        loss = loss_fn(models[name](x), y)
-        loss.backward()
-        optimizers[name].step()
-        optimizers[name].zero_grad(set_to_none=True)
-        return loss.item()
+        return training.step(models[name], optimizers[name], x, y, loss_fn=loss_fn).item()
 
     losses: dict[str, list[float]] = {name: [] for name in models}
     first_step_s: dict[str, float] = {}
