@@ -506,30 +506,22 @@ def test_an_error_file_is_whole_or_absent(tmp_path, monkeypatch):
     assert (failure.rank, failure.kind, failure.summary, failure.cell_line) == (2, "raised", "ValueError: boom", 2)
 
 
-TORCHRUN_SUMMARY = """\
-torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
-============================================================
-<torchrun cell> FAILED
-------------------------------------------------------------
-Failures:
-[1]:
-  time      : 2026-12-04_02:10:00
-  host      : localhost
-  rank      : 0 (local_rank: 0)
-  exitcode  : -15 (pid: 123)
-  error_file: <N/A>
-  traceback : Signal 15 (SIGTERM) received by PID 123
-------------------------------------------------------------
-Root Cause (first observed failure):
-[0]:
-  time      : 2026-12-04_02:10:00
-  host      : localhost
-  rank      : 2 (local_rank: 2)
-  exitcode  : -9 (pid: 125)
-  error_file: <N/A>
-  traceback : Signal 9 (SIGKILL) received by PID 125
-============================================================
-"""
+def torchrun_failure(index: int, rank: int, signal_number: int, pid: int) -> str:
+    """One entry of torchrun's failure summary, as its ChildFailedError prints it."""
+    name = signal.Signals(signal_number).name
+    return (
+        f"[{index}]:\n  time      : 2026-12-04_02:10:00\n  host      : localhost\n"
+        f"  rank      : {rank} (local_rank: {rank})\n  exitcode  : -{signal_number} (pid: {pid})\n"
+        f"  error_file: <N/A>\n  traceback : Signal {signal_number} ({name}) received by PID {pid}\n"
+    )
+
+
+TORCHRUN_SUMMARY = (
+    "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n" + "=" * 60 + "\n<torchrun cell> FAILED\n"
+    + "-" * 60 + "\nFailures:\n" + torchrun_failure(1, rank=0, signal_number=15, pid=123)
+    + "-" * 60 + "\nRoot Cause (first observed failure):\n" + torchrun_failure(0, rank=2, signal_number=9, pid=125)
+    + "=" * 60 + "\n"
+)  # fmt: skip
 
 
 def test_one_reader_of_torchruns_summary_serves_both_magics(tmp_path):

@@ -1,5 +1,7 @@
 """course_lib.training: the one step and the one loop the lessons' training runs go through."""
 
+import contextlib
+
 import torch
 
 from course_lib import training
@@ -65,12 +67,8 @@ def test_a_rank_trains_on_its_rows_only():
     assert mine == [training.step(by_hand, by_hand_optimizer, x, y).item() for x, y in rows]
 
 
-class _recording:
-    def __init__(self, calls):
-        self.calls = calls
-
-    def __enter__(self):
-        self.calls.append("enter")
-
-    def __exit__(self, *exc):
-        self.calls.append("exit")
+@contextlib.contextmanager
+def _recording(calls):
+    calls.append("enter")
+    yield
+    calls.append("exit")

@@ -136,9 +136,8 @@ def alive(pid: int) -> bool:
 def first_failure(folder: SessionDir) -> str | None:
     """'rank 2 (SIGKILL)' from torchrun's report of the first rank that died, if it wrote one."""
     text = folder.agent_log.read_text(errors="replace") if folder.agent_log.exists() else ""
-    for rank, code in exit_codes(text).items():
-        return f"rank {rank} ({how_it_ended(code)})"
-    return None
+    first = next(iter(exit_codes(text).items()), None)  # the root cause comes first
+    return None if first is None else f"rank {first[0]} ({how_it_ended(first[1])})"
 
 
 def interrupt(pids: list[int]) -> None:
