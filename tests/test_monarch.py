@@ -15,6 +15,7 @@ import pytest
 from monarch.actor import ActorError
 from monarch.spmd import setup_torch_elastic_env_async
 
+from course_lib.launch.processes import running
 from course_lib.rpc import monarch_actors
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +41,7 @@ def test_calls_slices_broadcast_and_all_reduce_then_no_process_left(n):
             reduced = await actors.all_reduce.call()
             await actors.leave_process_group.call()
             round_trip = await monarch_actors.endpoint_round_trip(actors.slice(procs=0), repeats=3, warmup=1)
-            assert monarch_actors.running(mesh.pids) == mesh.pids  # alive while the block runs
+            assert running(mesh.pids) == mesh.pids  # alive while the block runs
         return mesh, where, first, others, after_first, after_broadcast, reduced, round_trip
 
     mesh, where, first, others, after_first, after_broadcast, reduced, round_trip = run(session())
@@ -56,7 +57,7 @@ def test_calls_slices_broadcast_and_all_reduce_then_no_process_left(n):
         assert result["calls"] == {"all_reduce": 1}
         assert result["sent_bytes"] == pytest.approx(2 * (n - 1) / n * 16)  # gloo ring cost of 4 float32
     assert round_trip > 0
-    assert monarch_actors.running(mesh.pids) == []
+    assert running(mesh.pids) == []
     assert mesh.failures == []
 
 
@@ -82,7 +83,7 @@ def test_a_raise_and_a_dead_process_as_the_controller_sees_them():
     assert "workers{'procs': 2/3}" in str(died) and "exited with non-zero code 7" in str(died)
     assert "workers{'procs': 2/3}" in report and "exited with non-zero code 7" in report
     assert list(survivors.values()) == [2.0, 2.0]
-    assert monarch_actors.running(mesh.pids) == []
+    assert running(mesh.pids) == []
 
 
 def test_the_processes_end_when_the_block_raises():
@@ -94,7 +95,7 @@ def test_the_processes_end_when_the_block_raises():
     pids = []
     with pytest.raises(KeyError):
         run(session(pids))
-    assert len(pids) == 2 and monarch_actors.running(pids) == []
+    assert len(pids) == 2 and running(pids) == []
 
 
 def test_a_killed_controller_leaves_no_process_and_no_log_notice_on_stderr():
@@ -116,7 +117,7 @@ def test_a_killed_controller_leaves_no_process_and_no_log_notice_on_stderr():
     pids = [int(pid) for pid in done.stdout.split()]
     assert len(pids) == 2
     deadline = time.monotonic() + 10
-    while monarch_actors.running(pids) and time.monotonic() < deadline:
+    while running(pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert monarch_actors.running(pids) == []
+    assert running(pids) == []
     assert "Monarch internal logs" not in done.stderr, done.stderr

@@ -83,7 +83,7 @@ class Kernel:
 
 def by_rank(*lines: str) -> str:
     """What %%px prints: each rank's output under its header, in rank order."""
-    return "".join(f"[stdout:{rank}] \n{line}\n" for rank, line in enumerate(lines))
+    return "".join(f"[rank {rank}] {line}\n" for rank, line in enumerate(lines))
 
 
 def _plain(text: str) -> str:

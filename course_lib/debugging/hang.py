@@ -20,6 +20,7 @@ from typing import Any
 
 from course_lib.debugging.flight import BUFFER_VARIABLES, FlightRecord, dump_when_asked, read_flight_records
 from course_lib.debugging.stacks import ThreadStack, dump_stack, main_thread
+from course_lib.launch.processes import running
 
 
 def arm_for_diagnosis(directory: str | os.PathLike) -> None:
@@ -80,11 +81,7 @@ def processes_of(run_dir: str) -> list[int]:
     """Pids of live processes whose command line names `run_dir` (a torchrun agent of that run, its ranks)."""
     import psutil
 
-    alive = []
-    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
-        if proc.info["status"] != psutil.STATUS_ZOMBIE and run_dir in " ".join(proc.info["cmdline"] or ()):
-            alive.append(proc.info["pid"])
-    return alive
+    return running(psutil.pids(), run_dir)
 
 
 def diagnose_hang(

@@ -86,6 +86,13 @@ def _read_attempt(index: int, folder: Path, run: RunDir, spec: RunSpec) -> Attem
     return attempt
 
 
+def by_rank(texts: dict[int, str]) -> str:
+    """Each rank's text as `[rank R] line` lines, in rank order: how both magics show rank output."""
+    return "".join(
+        f"[rank {rank}] {line}\n" for rank in sorted(texts) for line in texts[rank].splitlines() if not _is_noise(line)
+    )
+
+
 def emit_grouped(write: Write, attempts: list[Attempt]) -> None:
     """Rank output grouped by rank, in rank order: one block for stdout, one for stderr."""
     blocks: dict[str, list[str]] = {"stdout": [], "stderr": []}
@@ -93,14 +100,12 @@ def emit_grouped(write: Write, attempts: list[Attempt]) -> None:
         if len(attempts) > 1:
             blocks["stdout"].append(f"--- attempt {attempt.index} ---\n")
         for name in ("stdout", "stderr"):
-            texts = getattr(attempt, name)
-            for rank in sorted(texts):
-                blocks[name] += [f"[rank {rank}] {line}\n" for line in texts[rank].splitlines()]
+            blocks[name].append(by_rank(getattr(attempt, name)))
         if len(attempts) > 1 and attempt.failures:
             what = "; ".join(f"rank {f.rank} {f.summary}" for f in attempt.failures[:1])
             blocks["stdout"].append(f"attempt {attempt.index} failed: {what}\n")
     for name, lines in blocks.items():
-        if lines:
+        if "".join(lines):
             write("".join(lines), name)
 
 

@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from course_lib.launch.spec import RunDir, RunSpec
@@ -25,8 +25,11 @@ _IMPORT_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds cour
 _ACTIVE: dict[int, tuple[subprocess.Popen, RunDir]] = {}  # agent pid -> (agent, its run), until ended
 
 
-def torchrun_command(spec: RunSpec, run: RunDir) -> list[str]:
-    """``python -m torch.distributed.run ... --module course_lib.launch.worker RUN_DIR``."""
+WORKER = "course_lib.launch.worker"  # the program of a `%%torchrun` cell's ranks
+
+
+def torchrun_command(spec: RunSpec, run: RunDir, program: str = WORKER) -> list[str]:
+    """``python -m torch.distributed.run ... --module PROGRAM RUN_DIR`` (a session's: session.engine)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(spec.nproc)]
     cmd += ["--max-restarts", str(spec.max_restarts), "--monitor-interval", "0.1"]
     cmd += ["--log-dir", str(run.logs), "--redirects", "3"]
@@ -43,7 +46,7 @@ def torchrun_command(spec: RunSpec, run: RunDir) -> list[str]:
         cmd += [part for flag, value in rdzv.items() if value is not None for part in (flag, str(value))]
     else:
         cmd += ["--standalone"]  # a free rendezvous port per run: runs never collide
-    return [*cmd, "--module", "course_lib.launch.worker", str(run.path)]
+    return [*cmd, "--module", program, str(run.path)]
 
 
 def agent_env(spec: RunSpec) -> dict[str, str]:
@@ -76,29 +79,33 @@ def start_agent(spec: RunSpec, run: RunDir) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         env=agent_env(spec),
         start_new_session=True,
-        preexec_fn=_preexec,
+        preexec_fn=die_with_kernel,
     )
     _ACTIVE[proc.pid] = (proc, run)
     return proc
 
 
-def _preexec() -> None:
-    """In the torchrun agent, before exec: die (SIGTERM, so it stops its workers) with the kernel."""
+def die_with_kernel() -> None:
+    """In a process the kernel starts (an agent, a controller), before exec: SIGTERM when the kernel dies.
+
+    SIGTERM, so a torchrun agent stops its workers; even a kernel killed by SIGKILL sends it.
+    """
     if sys.platform.startswith("linux"):
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def alive_workers(run: RunDir) -> list[int]:
-    """Recorded worker pids that are still this run's processes (guards against pid reuse)."""
+def running(pids: Iterable[int], naming: str | Path | None = None) -> list[int]:
+    """Those of `pids` whose process runs (a zombie counts as gone) and, given `naming`, whose command line
+    names it: a run's folder, so a recorded pid that now belongs to another process does not count."""
     import psutil
 
     alive = []
-    for pid in run.pids():
+    for pid in pids:
         try:
             proc = psutil.Process(pid)
-            if proc.status() != psutil.STATUS_ZOMBIE and str(run.path) in " ".join(proc.cmdline()):
+            if proc.status() != psutil.STATUS_ZOMBIE and (naming is None or str(naming) in " ".join(proc.cmdline())):
                 alive.append(pid)
         except psutil.Error:
             continue
@@ -123,7 +130,7 @@ def end_run(proc: subprocess.Popen, run: RunDir, grace_s: float = 3.0) -> None:
     if proc.poll() is None:
         proc.wait(5)
     deadline = time.monotonic() + 5
-    while alive_workers(run) and time.monotonic() < deadline:
+    while running(run.pids(), run.path) and time.monotonic() < deadline:
         time.sleep(0.05)
     _ACTIVE.pop(proc.pid, None)
 

@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from course_lib.launch.backend import LaunchError, resolve_backend
 
@@ -141,7 +141,8 @@ def _text(value: object) -> str | None:
 
 
 class RunDir:
-    """The files of one run. The kernel writes the first three; torchrun and the ranks the rest.
+    """The files of one run (a `%%torchrun` cell, or a session: session.processes.SessionDir adds its own).
+    The kernel writes the first three; torchrun and the ranks the rest (worker.start_rank records a rank).
 
     cell.py                     the cell body (tracebacks name it; shown as <torchrun cell>)
     spec.json                   the RunSpec
@@ -152,6 +153,8 @@ class RunDir:
     out/R.pt                    rank R's --out values
     """
 
+    PREFIX = "torchrun-cell-"  # of the temporary folder create() makes
+
     def __init__(self, path: Path) -> None:
         self.path = path
         self.cell = path / "cell.py"
@@ -160,8 +163,8 @@ class RunDir:
         self.logs = path / "logs"
 
     @classmethod
-    def create(cls) -> RunDir:
-        return cls(Path(tempfile.mkdtemp(prefix="torchrun-cell-")))
+    def create(cls) -> Self:
+        return cls(Path(tempfile.mkdtemp(prefix=cls.PREFIX)))  # mkdtemp: mode 0700
 
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
@@ -201,6 +204,11 @@ class RunDir:
     def pids(self) -> list[int]:
         """Every recorded rank pid, all attempts."""
         return [int(text) for _, _, p in self.pid_files() if (text := p.read_text().strip())]
+
+    def rank_pids(self) -> dict[int, int]:
+        """{rank: pid} of each rank's latest attempt, in rank order."""
+        latest = {rank: int(text) for _, rank, p in self.pid_files() if (text := p.read_text().strip())}
+        return dict(sorted(latest.items()))
 
 
 def attempt_index(folder: Path) -> int:

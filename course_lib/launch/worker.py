@@ -72,15 +72,24 @@ class MissingOutError(NameError):
     pass
 
 
-def main(run: RunDir) -> None:
+def start_rank(run: RunDir) -> tuple[int, int, int]:
+    """What every rank does first (a cell's worker, a session's engine): die with its agent, record its pid.
+
+    Returns (attempt, rank, local_rank), from torchrun's environment.
+    """
     die_with_parent()
-    spec = RunSpec.read(run)
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     run.attempt(attempt).mkdir(parents=True, exist_ok=True)
     run.pid_file(attempt, rank).write_text(str(os.getpid()))
     # Log files are named by local rank; with several nodes the global rank is only known here.
     run.local_file(attempt, local_rank).write_text(str(rank))
+    return attempt, rank, local_rank
+
+
+def main(run: RunDir) -> None:
+    attempt, rank, local_rank = start_rank(run)
+    spec = RunSpec.read(run)
 
     import torch  # after the pid is recorded: importing takes seconds
 

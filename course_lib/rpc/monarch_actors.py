@@ -35,7 +35,7 @@ from monarch.actor import Actor, MeshFailure, ProcMesh, current_rank, endpoint, 
 from monarch.config import configure
 
 from course_lib import comms
-from course_lib.session.processes import alive
+from course_lib.launch.processes import running
 
 # In IPython, importing monarch turns on forwarding of the processes' stdout/stderr to the notebook. Our actors print
 # nothing, and with forwarding on, `ProcMesh.stop()` first waits (without a timeout) for every process's log
@@ -153,11 +153,6 @@ async def process_mesh(n: int, stop_timeout_s: float = 30.0) -> AsyncIterator[Me
             monarch.actor.unhandled_fault_hook = default_hook
         if left:
             raise RuntimeError(f"mesh processes {left} were still running after stop(); killed")
-
-
-def running(pids: list[int]) -> list[int]:
-    """Those of `pids` whose process still exists (a zombie, exited but not yet reaped, counts as gone)."""
-    return [pid for pid in pids if alive(pid)]
 
 
 async def endpoint_round_trip(actor: Any, repeats: int = 7, warmup: int = 3) -> float:

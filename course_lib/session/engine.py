@@ -9,7 +9,6 @@ joins the process group (launch.runtime.init_distributed) and returns the names 
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,14 +33,11 @@ def prepare(backend: str, timeout_s: float) -> dict[str, Any]:
 
 
 def main(folder: Path) -> None:
-    from course_lib.launch.worker import die_with_parent
+    from course_lib.launch.worker import start_rank
     from course_lib.session.processes import START_TIMEOUT_S, SessionDir
 
     session = SessionDir(folder)
-    rank = int(os.environ["RANK"])
-    die_with_parent()  # the agent ends the engines; a killed agent (or kernel) too
-    session.pid_file(rank).parent.mkdir(exist_ok=True)
-    session.pid_file(rank).write_text(str(os.getpid()))
+    _, rank, _ = start_rank(session)  # dies with the agent, records its pid as a cell's rank does
 
     from ipyparallel.engine.app import IPEngine
 

@@ -1,8 +1,9 @@
 """The processes of a session: the ipyparallel controller, the torchrun agent, one engine per rank.
 
 The kernel starts the controller and the agent, each in a session (setsid) of its own that dies with
-the kernel (PR_SET_PDEATHSIG, as for `%%torchrun`); the agent starts the engines, each in a session
-of its own, which die with it. Processes these start stay in their sessions, but no death signal
+the kernel (launch.processes.die_with_kernel, as for `%%torchrun`); the agent, started with a
+`%%torchrun` cell's command, environment and rank folder, starts the engines, each in a session of
+its own, which die with it. Processes these start stay in their sessions, but no death signal
 reaches them: the controller's heartmonitor (a forked multiprocessing child, whatever
 `use_threads` says) or whatever a cell starts on a rank. So the session's processes are ended by
 session id (:func:`end_sessions`): by the kernel when the session stops, and by a watcher
@@ -14,17 +15,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from course_lib.launch.failures import exit_codes, how_it_ended
-from course_lib.launch.processes import agent_env, kill_group
-from course_lib.launch.spec import RunSpec
+from course_lib.launch.processes import agent_env, die_with_kernel, kill_group, torchrun_command
+from course_lib.launch.spec import RunDir, RunSpec
 
 CLUSTER_ID = "session"
 START_TIMEOUT_S = 180.0  # start-up of the controller and every engine (slow on a loaded machine)
@@ -34,55 +33,27 @@ PING_MS = 1000
 MISSES = 3
 
 
-class SessionDir:
-    """The private folder of one session.
+class SessionDir(RunDir):
+    """The private folder of one session: a RunDir (ranks/attempt_0/R.pid, the pid of rank R's engine; logs/,
+    torchrun's copy of each engine's output) and ipyparallel's files.
 
     profile/security/ipcontroller-session-{client,engine}.json   ipyparallel's connection files
-    ranks/R.pid        the pid of rank R's engine (how the kernel signals and ends it)
-    controller.log, agent.log    their output (the agent's names the rank that died first)
+    controller.log, agent.log    their output (the agent's names the rank that died first; `[rankN]:` lines
+                                 are the engines')
     watcher.log        the watcher's errors, if any
     """
 
+    PREFIX = "dist-session-"
+
     def __init__(self, path: Path) -> None:
-        self.path = path
+        super().__init__(path)
         self.profile = path / "profile"
         self.security = self.profile / "security"
         self.client_file = self.security / f"ipcontroller-{CLUSTER_ID}-client.json"
         self.engine_file = self.security / f"ipcontroller-{CLUSTER_ID}-engine.json"
-        self.ranks = path / "ranks"
         self.controller_log = path / "controller.log"
         self.agent_log = path / "agent.log"
         self.watcher_log = path / "watcher.log"
-
-    @classmethod
-    def create(cls) -> SessionDir:
-        return cls(Path(tempfile.mkdtemp(prefix="dist-session-")))  # mkdtemp: mode 0700
-
-    def pid_file(self, rank: int) -> Path:
-        return self.ranks / f"{rank}.pid"
-
-    def rank_pids(self) -> dict[int, int]:
-        """{rank: engine pid} for every rank that recorded one."""
-        found = {}
-        for path in self.ranks.glob("*.pid"):
-            with contextlib.suppress(ValueError):
-                found[int(path.stem)] = int(path.read_text().strip())
-        return dict(sorted(found.items()))
-
-    def remove(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
-
-
-def _die_with_kernel() -> None:
-    """In the controller and the agent, before exec: SIGKILL when the kernel dies, even by SIGKILL.
-
-    Nothing of a session needs a graceful end: the engines die with the agent (launch.worker.die_with_parent);
-    what outlives them in their sessions, the watcher ends.
-    """
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _start(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -94,7 +65,7 @@ def _start(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subp
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
-            preexec_fn=_die_with_kernel,
+            preexec_fn=die_with_kernel,
         )
 
 
@@ -108,29 +79,18 @@ def start_controller(folder: SessionDir) -> subprocess.Popen:
 
 
 def start_agent(folder: SessionDir, nproc: int, backend: str) -> subprocess.Popen:
-    """torchrun with one course_lib.session.engine per rank (gloo ranks see no GPU: agent_env)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    cmd += ["--max-restarts", "0", "--monitor-interval", "0.1"]
-    cmd += ["--module", "course_lib.session.engine", str(folder.path)]
-    env = agent_env(RunSpec(nproc=nproc, backend=backend))
+    """torchrun with one course_lib.session.engine per rank, as for a `%%torchrun` cell (its command and
+    environment: gloo ranks see no GPU), the engines' output teed into agent.log."""
+    spec = RunSpec(nproc=nproc, backend=backend, stream=True)
+    env = agent_env(spec)
     env["IPP_NONINTERACTIVE"] = "1"  # no progress widgets inside the engines
-    return _start(cmd, folder.agent_log, env)
+    return _start(torchrun_command(spec, folder, "course_lib.session.engine"), folder.agent_log, env)
 
 
 def tail(log: Path, lines: int = 15) -> str:
     with contextlib.suppress(OSError):
         return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
     return ""
-
-
-def alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie counts as dead)."""
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def first_failure(folder: SessionDir) -> str | None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from course_lib.launch.backend import LaunchError
+from course_lib.launch.processes import running
 from course_lib.launch.spec import RunSpec
 from course_lib.session import processes
 from course_lib.session.processes import START_TIMEOUT_S, SessionDir
@@ -139,7 +140,8 @@ class Session:
 
     def dead(self) -> str | None:
         """'rank 2 (SIGKILL) died' when a rank, the agent or the controller is gone; None when all run."""
-        gone = [rank for rank, pid in self.folder.rank_pids().items() if not processes.alive(pid)]
+        alive = running(self.folder.pids(), self.folder.path)
+        gone = [rank for rank, pid in self.folder.rank_pids().items() if pid not in alive]
         agent_gone = len(self.procs) > 1 and self.procs[1].poll() is not None
         if gone or agent_gone:
             first = processes.first_failure(self.folder)  # torchrun's report, once it has ended the others

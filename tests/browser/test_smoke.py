@@ -95,10 +95,10 @@ def _text(output: dict) -> str:
 def _stored_rank_lines(path) -> list[list[str]]:
     """For each code cell of the stored notebook: the rank prefixes its stored output shows.
 
-    `[rank R]` in a %%torchrun cell, `[stdout:R]` in a %%px cell of the persistent session.
+    `[rank R]`, in a %%torchrun cell and in a %%px cell of the persistent session alike.
     """
     cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
-    prefix = re.compile(r"^\[(?:rank |stdout:)\d+\]", re.M)
+    prefix = re.compile(r"^\[rank \d+\]", re.M)
     return [sorted(set(prefix.findall("".join(map(_text, c.get("outputs", [])))))) for c in cells]
 
 
