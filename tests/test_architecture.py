@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import ast
 import importlib
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-LIBRARY = Path(__file__).resolve().parent.parent / "course_lib"
+ROOT = Path(__file__).resolve().parent.parent
+LIBRARY = ROOT / "course_lib"
+NOTEBOOKS = ROOT / "notebooks"
 MODULES = sorted(LIBRARY.rglob("*.py"))
 PACKAGES = sorted(p.parent for p in LIBRARY.glob("*/__init__.py"))
 MAX_LINES = 300
@@ -50,12 +54,28 @@ def test_every_public_function_has_type_hints():
     assert not untyped, "annotate:\n" + "\n".join(untyped)
 
 
+def _code_outside(package: Path) -> str:
+    """The code that may use a package: notebooks' code cells, solutions, tests, benchmarks, launch scripts and
+    the other packages."""
+    cells = [c for p in NOTEBOOKS.glob("*.ipynb") for c in json.loads(p.read_text())["cells"]]
+    texts = ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
+    for folder in (NOTEBOOKS / "solutions", ROOT / "tests", ROOT / "benchmarks", ROOT / "launch", LIBRARY):
+        files = [p for p in folder.rglob("*") if p.suffix in (".py", ".sh") and package not in p.parents]
+        texts += [p.read_text() for p in files]
+    return "\n".join(texts)
+
+
 @pytest.mark.parametrize("package", PACKAGES, ids=lambda p: p.name)
-def test_package_exports_what_it_names(package: Path):
+def test_a_package_exports_only_what_is_used_outside_it(package: Path):
+    """Its __init__ imports the names notebooks, tests and other packages use, and nothing else (no __all__)."""
+    tree = ast.parse((package / "__init__.py").read_text())
+    exported = [a.asname or a.name for node in tree.body if isinstance(node, ast.ImportFrom) for a in node.names]
+    assert not any(isinstance(node, ast.Assign) and "__all__" in ast.unparse(node) for node in tree.body)
+    code = _code_outside(package)
+    unused = [name for name in exported if not re.search(rf"\b{re.escape(name)}\b", code)]
+    assert not unused, f"course_lib.{package.name} exports names nothing outside it uses: {unused}"
     module = importlib.import_module(f"course_lib.{package.name}")
-    exported = getattr(module, "__all__", None)
-    assert exported, f"course_lib.{package.name} lists its public names in __all__"
-    assert not [name for name in exported if not hasattr(module, name)]
+    assert all(hasattr(module, name) for name in exported)
 
 
 @pytest.mark.parametrize("module", ["course_lib", "course_lib.launch", "course_lib.launch.worker"])

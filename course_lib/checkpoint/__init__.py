@@ -21,11 +21,11 @@ Three ways to save an FSDP2-sharded training state, from the simplest to what la
     checkers    the exercises: verify a checkpoint together (each rank its share); agree on the resume step
 """
 
-from course_lib.checkpoint.atomic import FORMAT, METADATA, CheckpointError
+from course_lib.checkpoint.atomic import METADATA, CheckpointError
 from course_lib.checkpoint.checkers import check_agreed_resume_step, check_verify_together
 from course_lib.checkpoint.dcp import AppState, AsyncCheckpointer, dcp_load, dcp_save
-from course_lib.checkpoint.elastic import ElasticRun, Segment, agent_messages, run_elastic, segments
-from course_lib.checkpoint.elastic_train import train_elastic, wait_for_membership_change
+from course_lib.checkpoint.elastic import Segment, agent_messages, run_elastic, segments
+from course_lib.checkpoint.elastic_train import train_elastic
 from course_lib.checkpoint.fault_tolerance import reference_losses, step_losses, train_replica
 from course_lib.checkpoint.figures import plot_elastic
 from course_lib.checkpoint.hf import (
@@ -40,8 +40,8 @@ from course_lib.checkpoint.hf import (
 from course_lib.checkpoint.integrity import files_of, latest_complete, verify
 from course_lib.checkpoint.local_sgd import SYNC_RUNS, train_synced
 from course_lib.checkpoint.raw_rows import bytes_read_by_process, row_bytes
-from course_lib.checkpoint.replicas import SyncComparison, TorchftRun, compare_sync, run_torchft
-from course_lib.checkpoint.sharded import Loaded, flat_tensors, load_sharded, read_plan, save_sharded, shard_rows
+from course_lib.checkpoint.replicas import compare_sync, run_torchft
+from course_lib.checkpoint.sharded import flat_tensors, load_sharded, read_plan, save_sharded, shard_rows
 from course_lib.checkpoint.snapshot import load_full_snapshot, save_full_snapshot
 from course_lib.checkpoint.train import (
     differing,
@@ -53,60 +53,3 @@ from course_lib.checkpoint.train import (
     train_resumable,
     train_step,
 )
-
-__all__ = [
-    "CONSOLIDATED",
-    "FORMAT",
-    "METADATA",
-    "SYNC_RUNS",
-    "AppState",
-    "AsyncCheckpointer",
-    "CheckpointError",
-    "ElasticRun",
-    "Loaded",
-    "Segment",
-    "SyncComparison",
-    "TorchftRun",
-    "agent_messages",
-    "bytes_read_by_process",
-    "check_agreed_resume_step",
-    "check_verify_together",
-    "compare_sync",
-    "dcp_load",
-    "dcp_save",
-    "differing",
-    "empty_sharded_mlp",
-    "files_of",
-    "flat_tensors",
-    "from_rank0",
-    "from_seed_checkpoint",
-    "full_state",
-    "gathered_weights",
-    "latest_complete",
-    "load_full_snapshot",
-    "load_safetensors",
-    "load_sharded",
-    "local_state",
-    "make_optimizer",
-    "plot_elastic",
-    "read_plan",
-    "reference_losses",
-    "row_bytes",
-    "run_elastic",
-    "run_torchft",
-    "save_full_snapshot",
-    "save_safetensors",
-    "save_sharded",
-    "segments",
-    "shard_rows",
-    "sharded_mlp",
-    "step_losses",
-    "time_saves",
-    "train_elastic",
-    "train_replica",
-    "train_resumable",
-    "train_step",
-    "train_synced",
-    "verify",
-    "wait_for_membership_change",
-]

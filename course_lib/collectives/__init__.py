@@ -13,7 +13,7 @@
 The notebook shows the two in-place ring phases from their module: collectives.ring._ring_reduce_scatter_.
 """
 
-from course_lib.collectives.benchmark import benchmark, collective_calls, format_table, human_bytes
+from course_lib.collectives.benchmark import benchmark, format_table, human_bytes
 from course_lib.collectives.checkers import check_all_gather, check_pass_right, check_reduce_scatter, waiting_forever
 from course_lib.collectives.cost import alpha_beta_time, bus_factor, bytes_sent_per_rank, fit_alpha_beta
 from course_lib.collectives.figures import draw_before_after, draw_holdings, draw_ring_step, ring_all_reduce_states
@@ -25,7 +25,7 @@ from course_lib.collectives.live import (
     example_data,
     run_collective,
 )
-from course_lib.collectives.p2p import peer, send_recv
+from course_lib.collectives.p2p import peer
 from course_lib.collectives.ring import (
     all_gather_step_,
     chunk_offsets,
@@ -37,39 +37,3 @@ from course_lib.collectives.ring import (
     ring_reduce_scatter,
     ring_step,
 )
-
-__all__ = [
-    "COLLECTIVES",
-    "all_gather_step_",
-    "alpha_beta_time",
-    "benchmark",
-    "bus_factor",
-    "bytes_sent_per_rank",
-    "check_all_gather",
-    "check_pass_right",
-    "check_reduce_scatter",
-    "chunk_offsets",
-    "chunk_sizes",
-    "collective_calls",
-    "contribution_label",
-    "contributors",
-    "describe_chunks",
-    "draw_before_after",
-    "draw_holdings",
-    "draw_ring_step",
-    "example_data",
-    "fit_alpha_beta",
-    "format_table",
-    "human_bytes",
-    "naive_all_reduce",
-    "peer",
-    "reduce_scatter_step_",
-    "ring_all_gather",
-    "ring_all_reduce",
-    "ring_all_reduce_states",
-    "ring_reduce_scatter",
-    "ring_step",
-    "run_collective",
-    "send_recv",
-    "waiting_forever",
-]

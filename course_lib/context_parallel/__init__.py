@@ -15,18 +15,11 @@ checkers        the exercise's checker (solution: notebooks/solutions/09_context
 
 from course_lib.context_parallel.block import ContextParallelAttention, ContextParallelBlock, sum_gradients
 from course_lib.context_parallel.checkers import check_ring_forward
-from course_lib.context_parallel.cost import (
-    overlap_tokens,
-    ring_bytes,
-    ring_bytes_even,
-    saved_bytes,
-    tokens_per_rank,
-)
+from course_lib.context_parallel.cost import overlap_tokens, ring_bytes, ring_bytes_even, saved_bytes
 from course_lib.context_parallel.figures import LINKS, draw_cp_explorer, draw_layouts, draw_ring_steps, draw_step_times
 from course_lib.context_parallel.layout import (
     LAYOUTS,
     all_positions,
-    causal_pairs,
     causal_work,
     computed_work,
     describe,
@@ -45,44 +38,4 @@ from course_lib.context_parallel.ring_attention import (
 )
 from course_lib.context_parallel.timing import time_ring_step
 from course_lib.context_parallel.torch_cp import torch_positions, torch_ring_attention
-from course_lib.context_parallel.ulysses import heads_to_sequence, sequence_to_heads, ulysses_attention, ulysses_bytes
-
-__all__ = [
-    "LAYOUTS",
-    "LINKS",
-    "ContextParallelAttention",
-    "ContextParallelBlock",
-    "Ring",
-    "RingAttention",
-    "all_positions",
-    "block_attention",
-    "causal_pairs",
-    "causal_work",
-    "check_ring_forward",
-    "computed_work",
-    "describe",
-    "draw_cp_explorer",
-    "draw_layouts",
-    "draw_ring_steps",
-    "draw_step_times",
-    "heads_to_sequence",
-    "merge_partials",
-    "overlap_tokens",
-    "positions",
-    "ring_attention",
-    "ring_bytes",
-    "ring_bytes_even",
-    "saved_bytes",
-    "sent_by_kind",
-    "sequence_to_heads",
-    "shard_sequence",
-    "sum_gradients",
-    "time_ring_step",
-    "tokens_per_rank",
-    "torch_positions",
-    "torch_ring_attention",
-    "ulysses_attention",
-    "ulysses_bytes",
-    "unshard_sequence",
-    "visible_rectangle",
-]
+from course_lib.context_parallel.ulysses import sequence_to_heads, ulysses_attention, ulysses_bytes

@@ -15,8 +15,6 @@
 from course_lib.ddp.checkers import check_accumulate_step, check_average_gradient, check_mean_allreduce_hook
 from course_lib.ddp.comm_hooks import (
     COMM_HOOKS,
-    attach_comm_hook,
-    bf16_compress_hook_any_backend,
     gradient_error,
     payload_bytes,
     recording_hook,
@@ -30,52 +28,8 @@ from course_lib.ddp.figures import (
     overlap_fraction,
     simulate_buckets,
 )
-from course_lib.ddp.minimal_ddp import MB, Bucket, MinimalDDP, assign_buckets, on_host_clock, stamp, unwrap
+from course_lib.ddp.minimal_ddp import MB, MinimalDDP, assign_buckets, on_host_clock, stamp
 from course_lib.ddp.replicas import check_gradient_sync, load_snapshot, save_snapshot
-from course_lib.ddp.train import TrainLog, bytes_written, global_loader, rank_loader, shuffled_order, train
+from course_lib.ddp.train import bytes_written, rank_loader, shuffled_order, train
 from course_lib.ddp.uneven import shadow_all_reduce, train_with_join, uneven_batches, uneven_reference
 from course_lib.ddp.unused import MLPWithBranches, branch_indices
-
-__all__ = [
-    "COMM_HOOKS",
-    "MB",
-    "Bucket",
-    "MLPWithBranches",
-    "MinimalDDP",
-    "TrainLog",
-    "assign_buckets",
-    "attach_comm_hook",
-    "bf16_compress_hook_any_backend",
-    "branch_indices",
-    "bytes_written",
-    "check_accumulate_step",
-    "check_average_gradient",
-    "check_gradient_sync",
-    "check_mean_allreduce_hook",
-    "compile_then_ddp",
-    "compiled_against_eager",
-    "ddp_bytes_per_rank",
-    "global_loader",
-    "gradient_error",
-    "graphs_and_buckets",
-    "load_snapshot",
-    "low_precision_mean",
-    "on_host_clock",
-    "overlap_fraction",
-    "payload_bytes",
-    "rank_loader",
-    "recording_backend",
-    "recording_hook",
-    "save_snapshot",
-    "shadow_all_reduce",
-    "shuffled_order",
-    "simulate_buckets",
-    "stamp",
-    "timed_allreduce_hook",
-    "train",
-    "train_with_hook",
-    "train_with_join",
-    "uneven_batches",
-    "uneven_reference",
-    "unwrap",
-]

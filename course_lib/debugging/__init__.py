@@ -18,56 +18,12 @@ from course_lib.debugging.checkers import check_gradients_in_sync, check_mean_fi
 from course_lib.debugging.checksums import checksum_range, gradient_checksums
 from course_lib.debugging.debugger import DistributedDebugger, GradientDesyncError, NonFiniteError, NonFiniteEvent
 from course_lib.debugging.environment import differing_keys, environment_report, mismatch_fingerprints
-from course_lib.debugging.figures import LiveStepPlot, plot_steps, plot_stragglers
-from course_lib.debugging.flight import FlightRecord, dump_when_asked, read_flight_records
-from course_lib.debugging.hang import HangDiagnosis, arm_for_diagnosis, diagnose_hang, processes_of, settled_stacks
+from course_lib.debugging.figures import LiveStepPlot, plot_stragglers
+from course_lib.debugging.hang import arm_for_diagnosis, diagnose_hang, processes_of, settled_stacks
 from course_lib.debugging.logs import c10d_log, nccl_log, rank_lines, sanitize
-from course_lib.debugging.monitor import StepMonitor, memory_mb
-from course_lib.debugging.nccl import NcclTimeout, nccl_timeout
-from course_lib.debugging.stacks import ThreadStack, describe, dump_stack, main_thread, parse_dump
+from course_lib.debugging.monitor import memory_mb
+from course_lib.debugging.nccl import nccl_timeout
+from course_lib.debugging.stacks import describe, dump_stack, main_thread, parse_dump
 from course_lib.debugging.stragglers import straggler_steps
 from course_lib.debugging.traces import allreduce_sizes, is_allreduce, trace_event_names
 from course_lib.debugging.train import train_monitored
-
-__all__ = [
-    "DistributedDebugger",
-    "FlightRecord",
-    "GradientDesyncError",
-    "HangDiagnosis",
-    "LiveStepPlot",
-    "NcclTimeout",
-    "NonFiniteError",
-    "NonFiniteEvent",
-    "StepMonitor",
-    "ThreadStack",
-    "allreduce_sizes",
-    "arm_for_diagnosis",
-    "c10d_log",
-    "check_gradients_in_sync",
-    "check_mean_finite_loss",
-    "checksum_range",
-    "describe",
-    "diagnose_hang",
-    "differing_keys",
-    "dump_stack",
-    "dump_when_asked",
-    "environment_report",
-    "gradient_checksums",
-    "is_allreduce",
-    "main_thread",
-    "memory_mb",
-    "mismatch_fingerprints",
-    "nccl_log",
-    "nccl_timeout",
-    "parse_dump",
-    "plot_steps",
-    "plot_stragglers",
-    "processes_of",
-    "rank_lines",
-    "read_flight_records",
-    "sanitize",
-    "settled_stacks",
-    "straggler_steps",
-    "trace_event_names",
-    "train_monitored",
-]

@@ -213,15 +213,3 @@ def _show(text: str, metadata: dict) -> None:
     from IPython.display import publish_display_data
 
     publish_display_data({"text/plain": text}, metadata=metadata)
-
-
-__all__ = [
-    "PREDICTION_METADATA",
-    "ExerciseFailed",
-    "calls_into",
-    "check",
-    "check_prediction",
-    "expect_equal",
-    "is_stub",
-    "refusing",
-]

@@ -19,40 +19,6 @@ from course_lib.expert_parallel.cost import (
 )
 from course_lib.expert_parallel.dispatch import AllToAll, all_to_all, exchange_counts, sent_by_kind, torch_all_to_all
 from course_lib.expert_parallel.figures import draw_ep_explorer, draw_load_balance, draw_tokens_per_expert
-from course_lib.expert_parallel.moe import ExpertParallelMoE, MoE, make_experts, run_experts
-from course_lib.expert_parallel.router import (
-    Routing,
-    TopKRouter,
-    capacity,
-    keep_within_capacity,
-    load_balancing_loss,
-)
+from course_lib.expert_parallel.moe import ExpertParallelMoE, MoE, make_experts
+from course_lib.expert_parallel.router import TopKRouter, capacity, keep_within_capacity, load_balancing_loss
 from course_lib.expert_parallel.train import token_batch, train_load_balance
-
-__all__ = [
-    "AllToAll",
-    "ExpertParallelMoE",
-    "MoE",
-    "Routing",
-    "TopKRouter",
-    "all_to_all",
-    "all_to_all_bytes_balanced",
-    "all_to_all_bytes_bound",
-    "balanced_batch",
-    "capacity",
-    "check_dispatch",
-    "draw_ep_explorer",
-    "draw_load_balance",
-    "draw_tokens_per_expert",
-    "dropped",
-    "exchange_counts",
-    "imbalance",
-    "keep_within_capacity",
-    "load_balancing_loss",
-    "make_experts",
-    "run_experts",
-    "sent_by_kind",
-    "token_batch",
-    "torch_all_to_all",
-    "train_load_balance",
-]

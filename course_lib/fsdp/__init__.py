@@ -14,17 +14,3 @@ from course_lib.fsdp.checkers import check_reduce_gradient, check_shard_with_ada
 from course_lib.fsdp.compiled import COMPILE_ORDERS, compile_blocks_then_shard, shard_then_compile
 from course_lib.fsdp.train import dataset, make_model, train
 from course_lib.fsdp.zero import ShardedUnit, ZeroModel, collectives_per_step
-
-__all__ = [
-    "COMPILE_ORDERS",
-    "ShardedUnit",
-    "ZeroModel",
-    "check_reduce_gradient",
-    "check_shard_with_adam_state",
-    "collectives_per_step",
-    "compile_blocks_then_shard",
-    "dataset",
-    "make_model",
-    "shard_then_compile",
-    "train",
-]

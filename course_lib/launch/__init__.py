@@ -14,21 +14,7 @@
 Importing this package does not import torch (a rank imports it before recording its pid).
 """
 
-from course_lib.launch.backend import BACKENDS, LaunchError, available_gpus, resolve_backend
+from course_lib.launch.backend import LaunchError, available_gpus, resolve_backend
 from course_lib.launch.failures import RankFailedError, RankFailure, RunResult, RunTimeoutError
 from course_lib.launch.launcher import launch, standalone_script
 from course_lib.launch.spec import RunSpec
-
-__all__ = [
-    "BACKENDS",
-    "LaunchError",
-    "RankFailedError",
-    "RankFailure",
-    "RunResult",
-    "RunSpec",
-    "RunTimeoutError",
-    "available_gpus",
-    "launch",
-    "resolve_backend",
-    "standalone_script",
-]

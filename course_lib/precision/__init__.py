@@ -13,8 +13,7 @@
 from course_lib.precision.anti_pattern import MixedPrecisionTrainer
 from course_lib.precision.checkers import check_clipped_scaler_step, check_found_inf
 from course_lib.precision.figures import finfo_table, matmul_tflops
-from course_lib.precision.float8 import (  # first of torchao's users: it quiets torchao's import
-    FSDP_KINDS,
+from course_lib.precision.float8 import (
     cast_error,
     float8_filter,
     float8_width,
@@ -26,7 +25,7 @@ from course_lib.precision.float8 import (  # first of torchao's users: it quiets
     why_high_precision,
 )
 from course_lib.precision.inspection import inspect_fsdp2_mixed_precision, record_op_dtypes
-from course_lib.precision.loss_scaler import DynamicLossScaler, found_inf_across_ranks, local_grads
+from course_lib.precision.loss_scaler import DynamicLossScaler, found_inf_across_ranks
 from course_lib.precision.number_formats import (
     DTYPE_NAMES,
     FLOAT8_DTYPES,
@@ -34,49 +33,6 @@ from course_lib.precision.number_formats import (
     LAYOUT,
     bit_fields,
     rounding_error,
-    smallest_subnormal,
     stored_value,
 )
-from course_lib.precision.train import (
-    PRECISION_MODES,
-    amp_training_loop,
-    poison_one_gradient,
-    rank_batches,
-    train_precision_mode,
-)
-
-__all__ = [
-    "DTYPE_NAMES",
-    "FLOAT8_DTYPES",
-    "FLOAT_DTYPES",
-    "FSDP_KINDS",
-    "LAYOUT",
-    "PRECISION_MODES",
-    "DynamicLossScaler",
-    "MixedPrecisionTrainer",
-    "amp_training_loop",
-    "bit_fields",
-    "cast_error",
-    "check_clipped_scaler_step",
-    "check_found_inf",
-    "finfo_table",
-    "float8_filter",
-    "float8_width",
-    "formats_table",
-    "found_inf_across_ranks",
-    "from_float8",
-    "inspect_fsdp2_mixed_precision",
-    "local_grads",
-    "matmul_and_linear_seconds",
-    "matmul_tflops",
-    "poison_one_gradient",
-    "rank_batches",
-    "record_op_dtypes",
-    "rounding_error",
-    "smallest_subnormal",
-    "stored_value",
-    "to_float8",
-    "train_fsdp",
-    "train_precision_mode",
-    "why_high_precision",
-]
+from course_lib.precision.train import PRECISION_MODES, amp_training_loop, rank_batches, train_precision_mode

@@ -6,10 +6,3 @@ checkers  the exercises' checkers (the solutions are in notebooks/solutions/00_t
 
 from course_lib.process_groups.checkers import check_gather_values, check_mean_loss, check_rank_sum
 from course_lib.process_groups.health import health_check
-
-__all__ = [
-    "check_gather_values",
-    "check_mean_loss",
-    "check_rank_sum",
-    "health_check",
-]

@@ -10,7 +10,7 @@
 - :mod:`.monarch_actors`: section 9, a single controller with Monarch (imported on its own: it loads monarch).
 """
 
-from course_lib.rpc.agent import SERVER, start, worker_name
+from course_lib.rpc.agent import start
 from course_lib.rpc.checkers import Counter, Rendezvous, check_counter, check_join_round
 from course_lib.rpc.distributed_autograd import distributed_training_step, local_training_step, three_stage_model
 from course_lib.rpc.latency import fit_latency_model, rpc_latency
@@ -30,34 +30,3 @@ from course_lib.rpc.remote_functions import (
     who_am_i,
 )
 from course_lib.rpc.train import data_parallel_reference, full_data_loss, make_model, snapshot, trainer_batch
-
-__all__ = [
-    "SERVER",
-    "BatchingParameterServer",
-    "Counter",
-    "LockingParameterServer",
-    "RemoteModel",
-    "Rendezvous",
-    "add",
-    "captured_stderr",
-    "check_counter",
-    "check_join_round",
-    "data_parallel_reference",
-    "distributed_training_step",
-    "fail",
-    "fit_latency_model",
-    "full_data_loss",
-    "local_training_step",
-    "make_model",
-    "rpc_latency",
-    "run_parameter_server",
-    "sleep_then_return",
-    "snapshot",
-    "start",
-    "three_stage_model",
-    "train_on_trainer",
-    "trainer_batch",
-    "wait_for_slow_call",
-    "who_am_i",
-    "worker_name",
-]

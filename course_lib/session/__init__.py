@@ -15,8 +15,6 @@ from typing import Any
 
 from course_lib.session.session import SessionError
 
-__all__ = ["SessionError", "view"]
-
 
 def view() -> Any:  # an ipyparallel DirectView
     """The DirectView of the running session: its targets are the ranks (engine id == rank)."""

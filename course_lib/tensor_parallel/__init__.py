@@ -20,21 +20,3 @@ from course_lib.tensor_parallel.layers import (
 )
 from course_lib.tensor_parallel.operators import CopyToParallel, ReduceFromParallel, shard_size
 from course_lib.tensor_parallel.torch_plan import torch_parallel_block, tp_plan
-
-__all__ = [
-    "ColumnParallelLinear",
-    "CopyToParallel",
-    "ParallelAttention",
-    "ParallelTransformerBlock",
-    "ReduceFromParallel",
-    "RowParallelLinear",
-    "all_gather_matmul",
-    "check_row_parallel_forward",
-    "check_split_backward",
-    "gather_then_matmul",
-    "shard_of",
-    "shard_size",
-    "time_overlap",
-    "torch_parallel_block",
-    "tp_plan",
-]
