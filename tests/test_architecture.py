@@ -84,3 +84,43 @@ def test_importing_the_launch_side_does_not_import_torch(module: str):
     code = f"import sys, {module}; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports_at_load(path: Path, modules: set[str]) -> set[str]:
+    """The course_lib modules that loading `path` loads (module-level imports; `from package import module` names
+    the module)."""
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found |= {
+                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module for a in node.names
+            }
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+    return found & modules
+
+
+def test_no_import_cycles():
+    """No module is loaded, directly or through others, by one of the modules it loads."""
+    modules = {_module_name(p): p for p in MODULES}
+    graph = {name: _imports_at_load(path, set(modules)) for name, path in modules.items()}
+    done: set[str] = set()
+
+    def cycle_from(name: str, path: list[str]) -> list[str] | None:
+        if name in path:
+            return [*path[path.index(name) :], name]
+        if name in done:
+            return None
+        for loaded in sorted(graph[name]):
+            if found := cycle_from(loaded, [*path, name]):
+                return found
+        done.add(name)
+        return None
+
+    cycles = [found for name in sorted(graph) if (found := cycle_from(name, []))]
+    assert not cycles, " -> ".join(cycles[0])

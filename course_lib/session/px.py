@@ -51,7 +51,7 @@ class SessionParallelMagics(ParallelMagics):
         try:
             result.get()
         except Exception as error:
-            raise session.explain(error) from None
+            raise session.explain(error, cell) from None
 
 
 def show_outputs(result: Any) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from course_lib.launch.backend import LaunchError
+from course_lib.launch.failures import RankFailure, describe
 from course_lib.launch.processes import running
 from course_lib.launch.spec import RunSpec
 from course_lib.session import processes
@@ -118,8 +119,9 @@ class Session:
         agent = processes.start_agent(self.folder, self.settings.nproc, self.settings.backend)
         self.procs.append(processes.watch_over(self.watcher, agent))
         while self.client is None or len(self.client.ids) < self.settings.nproc:
-            if self.dead() or time.monotonic() > deadline:
-                why = self.dead() or f"not every engine registered within {START_TIMEOUT_S:g} s"
+            died = self.dead()
+            if died or time.monotonic() > deadline:
+                why = died or f"not every engine registered within {START_TIMEOUT_S:g} s"
                 logs = "\n".join(processes.tail(log) for log in (self.folder.controller_log, self.folder.agent_log))
                 raise LaunchError(f"the session did not start: {why}\n{logs}")
             if self.client is None and self.folder.client_file.exists():
@@ -140,8 +142,9 @@ class Session:
 
     def dead(self) -> str | None:
         """'rank 2 (SIGKILL) died' when a rank, the agent or the controller is gone; None when all run."""
-        alive = running(self.folder.pids(), self.folder.path)
-        gone = [rank for rank, pid in self.folder.rank_pids().items() if pid not in alive]
+        pids = self.folder.rank_pids()  # read once: a rank may record its pid meanwhile
+        alive = running(pids.values(), self.folder.path)
+        gone = [rank for rank, pid in pids.items() if pid not in alive]
         agent_gone = len(self.procs) > 1 and self.procs[1].poll() is not None
         if gone or agent_gone:
             first = processes.first_failure(self.folder)  # torchrun's report, once it has ended the others
@@ -177,8 +180,10 @@ class Session:
             "was restarted (fresh ranks: earlier variables are gone)"
         )
 
-    def explain(self, error: BaseException) -> BaseException:
-        """One SessionError for a CompositeError from the ranks (other errors come back unchanged)."""
+    def explain(self, error: BaseException, cell: str = "") -> BaseException:
+        """One SessionError for a CompositeError from the ranks (other errors come back unchanged), worded as a
+        `%%torchrun` cell's failure (launch.failures.describe): the first rank's exception and the line of `cell`
+        it raised at, then the other ranks'."""
         elist = getattr(error, "elist", None)  # a CompositeError; a RemoteError when one rank was targeted
         if elist is None and hasattr(error, "engine_info"):
             elist = [(error.ename, error.evalue, error.traceback, error.engine_info)]  # type: ignore[attr-defined]
@@ -189,16 +194,18 @@ class Session:
         why = self.dead()
         if why:
             return SessionError(f"{why} while the cell ran: the session's ranks are gone: {RESTART}", details)
-        failures = sorted((info.get("engine_id", -1), name, str(value), tb or "") for name, value, tb, info in elist)
-        stuck = [rank for rank, name, value, _ in failures if _timed_out(name, value)]
+        raised = sorted((info.get("engine_id", -1), name, str(value), tb or "") for name, value, tb, info in elist)
+        stuck = [rank for rank, name, value, _ in raised if _timed_out(name, value)]
         if stuck:
             return SessionError(
                 f"{_ranks(stuck)} waited in a collective that not every rank entered and gave up after the "
                 f"process-group timeout ({self.settings.timeout:g} s): the process group is now broken: {RESTART}",
                 details,
             )
-        said = [f"rank {rank} raised {name}: {value}{_cell_line(tb)}" for rank, name, value, tb in failures]
-        return SessionError("; ".join(said), details)
+        failures = [
+            RankFailure(rank, "raised", f"{name}: {value}", tb, _cell_line(tb)) for rank, name, value, tb in raised
+        ]
+        return SessionError(describe(failures, cell.splitlines()), details)
 
     def status(self) -> str:
         import psutil
@@ -253,10 +260,10 @@ def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
-def _cell_line(traceback: str) -> str:
-    """' (cell line 2)' from the first frame of the cell in an engine's traceback."""
+def _cell_line(traceback: str) -> int | None:
+    """The line of the cell in the first frame of the cell in an engine's traceback."""
     found = re.search(r"(?:Cell In\[\d+\]|<module>|<ipython-input-[^>]*>),? line (\d+)", _plain(traceback))
-    return f" (cell line {found.group(1)})" if found else ""
+    return int(found.group(1)) if found else None
 
 
 def _plain(text: str) -> str:
