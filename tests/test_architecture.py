@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import json
 import re
@@ -54,15 +55,21 @@ def test_every_public_function_has_type_hints():
     assert not untyped, "annotate:\n" + "\n".join(untyped)
 
 
-def _code_outside(package: Path) -> str:
-    """The code that may use a package: notebooks' code cells, solutions, tests, benchmarks, launch scripts and
-    the other packages."""
-    cells = [c for p in NOTEBOOKS.glob("*.ipynb") for c in json.loads(p.read_text())["cells"]]
-    texts = ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
+@functools.cache
+def _code() -> tuple[tuple[Path, str], ...]:
+    """(file, code) of what may use a package: notebooks' code cells, solutions, tests, benchmarks, launch scripts
+    and the library (read once for every package's test)."""
+    found = []
+    for notebook in NOTEBOOKS.glob("*.ipynb"):
+        cells = json.loads(notebook.read_text())["cells"]
+        found.append((notebook, "".join("".join(c["source"]) + "\n" for c in cells if c["cell_type"] == "code")))
     for folder in (NOTEBOOKS / "solutions", ROOT / "tests", ROOT / "benchmarks", ROOT / "launch", LIBRARY):
-        files = [p for p in folder.rglob("*") if p.suffix in (".py", ".sh") and package not in p.parents]
-        texts += [p.read_text() for p in files]
-    return "\n".join(texts)
+        found += [(p, p.read_text()) for p in folder.rglob("*") if p.suffix in (".py", ".sh")]
+    return tuple(found)
+
+
+def _code_outside(package: Path) -> str:
+    return "\n".join(text for path, text in _code() if package not in path.parents)
 
 
 @pytest.mark.parametrize("package", PACKAGES, ids=lambda p: p.name)

@@ -201,14 +201,17 @@ class RunDir:
         """(attempt, rank, pid file) of every rank that started."""
         return sorted((attempt_index(p.parent), int(p.stem), p) for p in (self.path / "ranks").glob("attempt_*/*.pid"))
 
+    def recorded_pids(self) -> list[tuple[int, int, int]]:
+        """(attempt, rank, pid) of every rank that has written its pid, in order."""
+        return [(attempt, rank, int(text)) for attempt, rank, p in self.pid_files() if (text := p.read_text().strip())]
+
     def pids(self) -> list[int]:
         """Every recorded rank pid, all attempts."""
-        return [int(text) for _, _, p in self.pid_files() if (text := p.read_text().strip())]
+        return [pid for _, _, pid in self.recorded_pids()]
 
     def rank_pids(self) -> dict[int, int]:
         """{rank: pid} of each rank's latest attempt, in rank order."""
-        latest = {rank: int(text) for _, rank, p in self.pid_files() if (text := p.read_text().strip())}
-        return dict(sorted(latest.items()))
+        return dict(sorted({rank: pid for _, rank, pid in self.recorded_pids()}.items()))
 
 
 def attempt_index(folder: Path) -> int:
