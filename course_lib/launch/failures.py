@@ -54,16 +54,12 @@ class RunResult:
 
 
 class RankFailedError(RuntimeError):
-    """One or more ranks failed; the message names them and the failing line of the cell."""
+    """One or more ranks of a `%%torchrun` cell or of a session's `%%px` cell failed; the message names them and the
+    failing line of the cell."""
 
-    def __init__(self, message: str, failures: list[RankFailure], result: RunResult):
+    def __init__(self, message: str, failures: list[RankFailure]):
         super().__init__(message)
         self.failures = failures
-        self.result = result
-
-    @property
-    def ranks(self) -> list[int]:
-        return [f.rank for f in self.failures if f.kind not in ("stopped",)]
 
     def _render_traceback_(self) -> list[str]:
         lines = [f"{type(self).__name__}: {self}"]
@@ -195,7 +191,7 @@ def failed_error(returncode: int, result: RunResult, cell_source: list[str], max
     if failures:
         message = describe(failures, cell_source)
         if used >= max_restarts:
-            return RankFailedError(message, failures, result)
+            return RankFailedError(message, failures)
         message += (
             f"\ntorchrun's agent exited (code {returncode}) after {used} of its {max_restarts} restarts, "
             f"without restarting the group; its log ends:\n{tail}"
@@ -204,10 +200,10 @@ def failed_error(returncode: int, result: RunResult, cell_source: list[str], max
         message = f"torchrun's agent exited (code {returncode}) while no rank had failed; its log ends:\n{tail}"
     else:
         message = f"torchrun failed before the ranks ran (exit {returncode}):\n{tail}"
-    return RankFailedError(message, failures, result)
+    return RankFailedError(message, failures)
 
 
-def timeout_error(spec: RunSpec, running: list[int], killed: int, result: RunResult) -> RunTimeoutError:
+def timeout_error(spec: RunSpec, running: list[int], killed: int) -> RunTimeoutError:
     """The error for a run that passed --timeout; `running` ranks had not finished, `killed` workers were ended."""
     names = ", ".join(str(r) for r in running) or "none"
     return RunTimeoutError(
@@ -215,5 +211,4 @@ def timeout_error(spec: RunSpec, running: list[int], killed: int, result: RunRes
         f"Every process was ended ({killed} workers killed). Look for a collective "
         f"that not every rank calls, or raise --timeout.",
         [RankFailure(r, "running", "still running") for r in running],
-        result,
     )

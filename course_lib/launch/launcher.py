@@ -94,7 +94,7 @@ def _run(spec: RunSpec, run: RunDir, body: str, push: dict[str, Any], write: Wri
     values = output.collect_values(run, spec.out) if ok else {}
     result = RunResult(spec.nproc, spec.backend, attempts, values, wall, log)
     if timed_out:
-        raise failures.timeout_error(spec, running, killed, result)
+        raise failures.timeout_error(spec, running, killed)
     if proc.returncode != 0:
         raise failures.failed_error(proc.returncode, result, body.splitlines(), spec.max_restarts)
     return result

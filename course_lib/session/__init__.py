@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from course_lib.session.session import SessionError
-
 
 def view() -> Any:  # an ipyparallel DirectView
     """The DirectView of the running session: its targets are the ranks (engine id == rank)."""

@@ -18,7 +18,7 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 
 from course_lib.launch.backend import LaunchError
 from course_lib.session import session as sessions
-from course_lib.session.session import NO_SESSION, PROCESS_GROUP_TIMEOUT_S, SessionError, Settings
+from course_lib.session.session import NO_SESSION, PROCESS_GROUP_TIMEOUT_S, Settings
 
 
 class _Parser(argparse.ArgumentParser):
@@ -85,16 +85,16 @@ class NoSessionMagics(Magics):
 
     @line_cell_magic
     def px(self, line: str, cell: str | None = None) -> None:
-        raise SessionError(NO_SESSION)
+        raise LaunchError(NO_SESSION)
 
     @line_magic
     def autopx(self, line: str) -> None:
-        raise SessionError(NO_SESSION)
+        raise LaunchError(NO_SESSION)
 
     @line_magic
     def pxresult(self, line: str) -> None:
-        raise SessionError(NO_SESSION)
+        raise LaunchError(NO_SESSION)
 
     @line_magic
     def pxconfig(self, line: str) -> None:
-        raise SessionError(NO_SESSION)
+        raise LaunchError(NO_SESSION)

@@ -26,7 +26,7 @@ class SessionParallelMagics(ParallelMagics):
 
     @property  # type: ignore[override]
     def view(self) -> Any:
-        """Always the running session's view, also after a restart (SessionError when none runs)."""
+        """Always the running session's view, also after a restart (LaunchError when none runs)."""
         return sessions.current().view
 
     @view.setter

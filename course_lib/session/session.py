@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from course_lib.launch.backend import LaunchError
-from course_lib.launch.failures import RankFailure, describe
+from course_lib.launch.failures import RankFailedError, RankFailure, describe
 from course_lib.launch.processes import running
 from course_lib.launch.spec import RunSpec
 from course_lib.session import processes
@@ -30,17 +30,6 @@ NO_SESSION = "no session is running: run %dist start -n N first"
 TIMEOUT_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError")
 
 _SESSION: Session | None = None
-
-
-class SessionError(RuntimeError):
-    """What went wrong on the ranks, said in one message (IPython shows no kernel frames)."""
-
-    def __init__(self, message: str, details: list[str] | None = None) -> None:
-        super().__init__(message)
-        self.details = details or []
-
-    def _render_traceback_(self) -> list[str]:
-        return [*self.details, f"{type(self).__name__}: {self}"]
 
 
 @dataclass(frozen=True)
@@ -57,9 +46,9 @@ class Settings:
 
 
 def current() -> Session:
-    """The running session; SessionError when there is none."""
+    """The running session; LaunchError when there is none."""
     if _SESSION is None:
-        raise SessionError(NO_SESSION)
+        raise LaunchError(NO_SESSION)
     return _SESSION
 
 
@@ -140,29 +129,31 @@ class Session:
             raise self.explain(error) from None
         self.seconds = time.monotonic() - begin
 
-    def dead(self) -> str | None:
-        """'rank 2 (SIGKILL) died' when a rank, the agent or the controller is gone; None when all run."""
+    def dead(self) -> RankFailedError | None:
+        """RankFailedError('rank 2 (SIGKILL) died') when a rank, the agent or the controller is gone; None when all
+        run."""
         pids = self.folder.rank_pids()  # read once: a rank may record its pid meanwhile
         alive = running(pids.values(), self.folder.path)
         gone = [rank for rank, pid in pids.items() if pid not in alive]
         agent_gone = len(self.procs) > 1 and self.procs[1].poll() is not None
         if gone or agent_gone:
             first = processes.first_failure(self.folder)  # torchrun's report, once it has ended the others
-            ranks = f"rank {gone[0]}" if len(gone) == 1 else f"ranks {', '.join(map(str, gone))}"
+            ranks = _ranks(gone)
             died = f"{first or ranks} died" + (f" (now gone: {ranks})" if first and gone else "")
-            return died + watchdog_hint(first, self.settings)
+            return RankFailedError(
+                died + watchdog_hint(first, self.settings), [RankFailure(r, "exit", "died") for r in gone]
+            )
         if self.procs and self.procs[0].poll() is not None:
-            return "the ipyparallel controller died"
+            return RankFailedError("the ipyparallel controller died", [])
         return None
 
     def check(self) -> None:
-        """SessionError naming the dead rank when the session cannot run cells."""
-        why = self.dead()
-        if why:
-            raise SessionError(f"{why}: the session's ranks are gone: {RESTART}")
+        """RankFailedError naming the dead rank when the session cannot run cells."""
+        if died := self.dead():
+            raise RankFailedError(f"{died}: the session's ranks are gone: {RESTART}", died.failures)
 
     def wait(self, result: Any) -> None:
-        """Wait for `result`, checking the ranks 10 times a second; SessionError if one dies meanwhile."""
+        """Wait for `result`, checking the ranks 10 times a second; RankFailedError if one dies meanwhile."""
         while not result.wait(0.1):
             self.check()
 
@@ -181,7 +172,7 @@ class Session:
         )
 
     def explain(self, error: BaseException, cell: str = "") -> BaseException:
-        """One SessionError for a CompositeError from the ranks (other errors come back unchanged), worded as a
+        """One RankFailedError for a CompositeError from the ranks (other errors come back unchanged), worded as a
         `%%torchrun` cell's failure (launch.failures.describe): the first rank's exception and the line of `cell`
         it raised at, then the other ranks'."""
         elist = getattr(error, "elist", None)  # a CompositeError; a RemoteError when one rank was targeted
@@ -189,23 +180,21 @@ class Session:
             elist = [(error.ename, error.evalue, error.traceback, error.engine_info)]  # type: ignore[attr-defined]
         if elist is None:
             return error
-        render = getattr(error, "render_traceback", None)
-        details = render() if render else []
-        why = self.dead()
-        if why:
-            return SessionError(f"{why} while the cell ran: the session's ranks are gone: {RESTART}", details)
+        if died := self.dead():
+            return RankFailedError(f"{died} while the cell ran: the session's ranks are gone: {RESTART}", died.failures)
         raised = sorted((info.get("engine_id", -1), name, str(value), tb or "") for name, value, tb, info in elist)
+        failures = [
+            RankFailure(rank, "raised", f"{name}: {value}", _plain(tb), _cell_line(tb))
+            for rank, name, value, tb in raised
+        ]
         stuck = [rank for rank, name, value, _ in raised if _timed_out(name, value)]
         if stuck:
-            return SessionError(
+            return RankFailedError(
                 f"{_ranks(stuck)} waited in a collective that not every rank entered and gave up after the "
                 f"process-group timeout ({self.settings.timeout:g} s): the process group is now broken: {RESTART}",
-                details,
+                failures,
             )
-        failures = [
-            RankFailure(rank, "raised", f"{name}: {value}", tb, _cell_line(tb)) for rank, name, value, tb in raised
-        ]
-        return SessionError(describe(failures, cell.splitlines()), details)
+        return RankFailedError(describe(failures, cell.splitlines()), failures)
 
     def status(self) -> str:
         import psutil
@@ -213,7 +202,7 @@ class Session:
         why = self.dead()
         lines = [
             f"{self.settings.nproc} ranks, backend {self.settings.backend}, "
-            f"collective timeout {self.settings.timeout:g} s: " + (why or "all alive")
+            f"collective timeout {self.settings.timeout:g} s: " + (str(why) if why else "all alive")
         ]
         for rank, pid in self.folder.rank_pids().items():
             try:
