@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 course: $(STAMP)      ## execute every notebook into build/course/ and print a summary table
-	$(PY) -m course_lib.launch.runner --out build/course $(ARGS)
+	$(PY) -m course_lib.course.runner --out build/course $(ARGS)
 
 test: $(STAMP)        ## unit tests of course_lib, and nbval: every notebook once, at its default parameters
 	$(PY) -m pytest tests notebooks $(NBVAL) -m "not notebook" --ignore=tests/browser $(XDIST) --dist loadfile $(ARGS)
@@ -47,7 +47,7 @@ lab: $(STAMP)         ## JupyterLab on notebooks/ in the course environment (as 
 	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $$(test "$$(id -u)" = 0 && echo --allow-root) $(ARGS)
 
 outputs: $(STAMP)     ## re-execute notebooks in place: the stored outputs nbval compares against
-	$(PY) -m course_lib.launch.runner --inplace $(ARGS)
+	$(PY) -m course_lib.course.runner --inplace $(ARGS)
 
 benchmark: $(STAMP)   ## every script in benchmarks/, one table: figure, goal, measured
 	$(PY) benchmarks/run_all.py $(ARGS)

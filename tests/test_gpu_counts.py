@@ -19,7 +19,7 @@ import pytest
 from IPython.core.inputtransformer2 import TransformerManager
 from notebook_kit import fake_gpus_code
 
-from course_lib.launch import probe, runner
+from course_lib.course import probe, runner
 
 NOTEBOOKS = runner.find_notebooks([])
 GPU_COUNTS = (0, 1, 2, 4, 8)

@@ -21,8 +21,8 @@ import torch
 from notebook_kit import write_notebook
 
 from course_lib import params
+from course_lib.course import probe, runner
 from course_lib.exercises import PREDICTION_METADATA
-from course_lib.launch import probe, runner
 
 NOTEBOOKS = runner.find_notebooks([])
 

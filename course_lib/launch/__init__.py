@@ -9,7 +9,6 @@
     failures   what a run returns (RunResult) and which rank failed and how: RankFailedError, RunTimeoutError
     worker     what torchrun starts on each rank (not imported here: torchrun runs it as __main__)
     runtime    the process group inside a rank
-    runner     executes whole notebooks with papermill
 
 Importing this package does not import torch (a rank imports it before recording its pid).
 """
