@@ -51,28 +51,36 @@ def check_embedding_group(fn: Callable[[DeviceMesh], dist.ProcessGroup | None]) 
 
 def check_rows_on_mesh(fn: Callable) -> None:
     """fn(mesh, tokens, seq, global_batch) -> a loader (text.ShardedBatches) whose batches(step) are this rank's
-    rows: the same on the tp ranks of a group, and the dp ranks' rows together the whole global batch."""
+    rows: the same on the tp ranks of a group, and the dp ranks' rows together the whole global batch. Every rank
+    builds every mesh before it reports its first wrong rows, so the ranks stay in step whichever of them is wrong."""
+    world = dist.get_world_size()
+    tokens = torch.arange(1000)  # every window is different
+    wrong = [_wrong_rows(fn, pp, dp, tp, tokens) for pp, dp, tp in _meshes(world)]
+    if first := next((w for w in wrong if w), None):
+        raise ExerciseFailed(first)
+
+
+def _wrong_rows(fn: Callable, pp: int, dp: int, tp: int, tokens: torch.Tensor) -> str | None:
+    """What is wrong with the rows `fn` gives this rank of a pp x dp x tp mesh, or None."""
     from course_lib.gpt.text import ShardedBatches
 
-    world, me = dist.get_world_size(), dist.get_rank()
-    tokens = torch.arange(1000)  # every window is different
-    for pp, dp, tp in _meshes(world):
-        mesh = DeviceMesh(rank_device().type, torch.arange(world).view(pp, dp, tp), mesh_dim_names=DIMS)
-        p, d, t = mesh.get_coordinate() or (0, 0, 0)
-        global_batch = 3 * dp + 1  # uneven shares whenever dp > 1
-        batches = fn(mesh, tokens, 8, global_batch)
-        reference = ShardedBatches(tokens, 8, global_batch)
-        expected = ShardedBatches(tokens, 8, global_batch, d, dp).rows()
-        for step in (0, 5):
-            got = batches(step)
-            if not (isinstance(got, tuple) and len(got) == 2):
-                raise ExerciseFailed("batches(step) must return (inputs, targets), as text.ShardedBatches does")
-            every, targets = reference(step)
-            want = slice(expected.start, expected.stop)
-            if torch.equal(got[0], every[want]) and torch.equal(got[1], targets[want]):
-                continue
-            rows = [next((i for i, row in enumerate(every) if torch.equal(row, x)), None) for x in got[0]]
-            raise ExerciseFailed(
-                f"pp={pp} x dp={dp} x tp={tp}, rank {me} (pp {p}, dp {d}, tp {t}), step {step}: holds rows "
-                f"{rows} of the global batch of {global_batch}, expected rows {list(expected)}"
-            )
+    mesh = DeviceMesh(rank_device().type, torch.arange(dist.get_world_size()).view(pp, dp, tp), mesh_dim_names=DIMS)
+    p, d, t = mesh.get_coordinate() or (0, 0, 0)
+    global_batch = 3 * dp + 1  # uneven shares whenever dp > 1
+    batches = fn(mesh, tokens, 8, global_batch)
+    reference = ShardedBatches(tokens, 8, global_batch)
+    expected = ShardedBatches(tokens, 8, global_batch, d, dp).rows()
+    for step in (0, 5):
+        got = batches(step)
+        if not (isinstance(got, tuple) and len(got) == 2):
+            return "batches(step) must return (inputs, targets), as text.ShardedBatches does"
+        every, targets = reference(step)
+        want = slice(expected.start, expected.stop)
+        if torch.equal(got[0], every[want]) and torch.equal(got[1], targets[want]):
+            continue
+        rows = [next((i for i, row in enumerate(every) if torch.equal(row, x)), None) for x in got[0]]
+        return (
+            f"pp={pp} x dp={dp} x tp={tp}, rank {dist.get_rank()} (pp {p}, dp {d}, tp {t}), step {step}: holds rows "
+            f"{rows} of the global batch of {global_batch}, expected rows {list(expected)}"
+        )
+    return None
