@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import datetime
 import random
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -18,7 +17,7 @@ from torch import nn
 
 from course_lib.compare import grad_of
 from course_lib.exercises import ExerciseFailed, calls_into
-from course_lib.exercises.calls import DEADLOCK_S
+from course_lib.exercises.calls import DEADLOCK_S, record_calls
 from course_lib.pipeline.execution import execute
 from course_lib.pipeline.schedules import (
     Action,
@@ -163,28 +162,6 @@ def _run_and_compare(actions: Sequence[Action], p: int, m: int, seed: int) -> No
             raise ExerciseFailed(f"stage {rank}: gradient of parameter {i} differs from single-process training")
 
 
-@contextmanager
-def _p2p_through(group: dist.ProcessGroup, counts: dict[str, int]) -> Iterator[None]:
-    """During the block, dist.send/recv/isend/irecv without a group go through `group` (short timeout), counted."""
-    real = {name: getattr(dist, name) for name in ("send", "recv", "isend", "irecv")}
-
-    def wrap(name: str) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            counts[name] = counts.get(name, 0) + 1
-            kwargs.setdefault("group", group)
-            return real[name](*args, **kwargs)
-
-        return call
-
-    for name in real:
-        setattr(dist, name, wrap(name))
-    try:
-        yield
-    finally:
-        for name, fn in real.items():
-            setattr(dist, name, fn)
-
-
 def check_pipeline_step(fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], Any]) -> None:
     """fn(stage_module, x, y) -> the loss on the last rank (None elsewhere): naive model parallelism, one batch.
 
@@ -194,7 +171,7 @@ def check_pipeline_step(fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], An
     stage's gradients must equal single-process training.
     """
     rank, p = dist.get_rank(), dist.get_world_size()
-    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=DEADLOCK_S))
+    in_step = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=DEADLOCK_S))  # the ranks, per batch
     for seed, batch in ((3, 8), (4, 5)):
         model = course_model(n_units=max(p, 2), seed=seed)
         torch.manual_seed(seed)
@@ -203,18 +180,17 @@ def check_pipeline_step(fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], An
         mine = split_into_stages(course_model(n_units=max(p, 2), seed=seed), p)[rank]
         x_here = x if rank == 0 else torch.full_like(x, float("nan"))
         y_here = y if rank == p - 1 else torch.full_like(y, float("nan"))
-        counts: dict[str, int] = {}
         try:
-            with _p2p_through(group, counts):
+            with record_calls(bound_s=DEADLOCK_S) as calls:
                 loss = fn(mine, x_here, y_here)
         except RuntimeError as error:
-            if not any(sign in str(error) for sign in ("Timed out", "Connection closed", "remote worker")):
+            if not any(sign in str(error).lower() for sign in ("timed out", "connection closed", "remote worker")):
                 raise
             raise ExerciseFailed(
                 f"rank {rank} of {p}: stuck in recv (batch {batch}; it, or the rank it waited on, gave up after "
                 f"{DEADLOCK_S:g} s): the ranks wait for messages no rank has sent yet: a deadlock"
             ) from None
-        if p > 1 and not counts:
+        if p > 1 and not calls:
             raise ExerciseFailed(f"rank {rank}: sent and received nothing; stage {rank} needs the other stages' data")
         if rank == p - 1:
             got = float(loss.detach()) if isinstance(loss, torch.Tensor) else loss
@@ -224,4 +200,4 @@ def check_pipeline_step(fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], An
             if param.grad is None or not torch.allclose(param.grad, want, atol=1e-6, rtol=1e-4):
                 state = "no gradient" if param.grad is None else "a gradient that differs from single-process"
                 raise ExerciseFailed(f"rank {rank}: stage {rank}'s parameter {i} has {state} (batch {batch})")
-        dist.barrier(group)
+        dist.barrier(in_step)
