@@ -3,12 +3,9 @@
 
 from __future__ import annotations
 
-import inspect
 import math
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
 from datetime import timedelta
-from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -17,7 +14,7 @@ from torch import nn
 from course_lib import comms
 from course_lib.debugging.checksums import checksum_range, gradient_checksums
 from course_lib.exercises import ExerciseFailed, refusing
-from course_lib.exercises.calls import DEADLOCK_S
+from course_lib.exercises.calls import DEADLOCK_S, record_calls, run_bounded
 from course_lib.launch.runtime import rank_device
 
 WRITE_THE_CHECKSUMS = (
@@ -95,49 +92,13 @@ def check_gradients_in_sync(fn: Callable[[nn.Module], object]) -> None:
 
 # ---- diagnose: a rank that skips a collective ----------------------------------------------------------------
 
-_COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_object",
-    "broadcast",
-    "reduce",
-    "reduce_scatter_tensor",
-    "barrier",
-)
-
-
-@contextmanager
-def _collectives_on(group: dist.ProcessGroup) -> Iterator[list[str]]:
-    """While active, dist's collectives called without a group run on `group` (its short timeout turns a
-    skipped collective into an error) and are recorded, by name, in the list yielded."""
-    calls: list[str] = []
-
-    def counted(name: str, original: Callable) -> Callable:
-        signature = inspect.signature(original)
-
-        def call(*args, **kwargs):
-            calls.append(name)
-            bound = signature.bind(*args, **kwargs)
-            if bound.arguments.get("group") is None:
-                bound.arguments["group"] = group
-            return original(*bound.args, **bound.kwargs)
-
-        return call
-
-    with ExitStack() as patches:  # dist's functions, restored on the way out
-        for name in _COLLECTIVES:
-            patches.enter_context(mock.patch.object(dist, name, counted(name, getattr(dist, name))))
-        yield calls
-
 
 def check_mean_finite_loss(fn: Callable[[torch.Tensor], object]) -> None:
     """fn(loss) -> (mean of the finite losses over the ranks, number of ranks whose loss is not finite), the
     same on every rank. Each rank's loss is its own secret; every rank must make the same collective calls."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = rank_device()
-    timeout = timedelta(seconds=DEADLOCK_S)
-    learner_group, checker_group = dist.new_group(timeout=timeout), dist.new_group(timeout=timeout)
+    checker_group = dist.new_group(timeout=timedelta(seconds=DEADLOCK_S))  # apart from the learner's calls
     salt = torch.randint(0, 2**30, (1,), device=device)
     dist.broadcast(salt, src=0, group=checker_group)
     cases = [
@@ -151,14 +112,15 @@ def check_mean_finite_loss(fn: Callable[[torch.Tensor], object]) -> None:
         everyone = [torch.zeros((), device=device) for _ in range(world)]
         dist.all_gather(everyone, torch.tensor(value, device=device), group=checker_group)
         finite = [float(v) for v in everyone if math.isfinite(float(v))]
-        with _collectives_on(learner_group) as calls:
-            try:
-                got = fn(torch.tensor(value, device=device))
-            except RuntimeError as error:
-                raise ExerciseFailed(
-                    f"{what}: rank {rank} waited {DEADLOCK_S:g} s in a collective that some rank never "
-                    f"called ({str(error).splitlines()[0][:80]})"
-                ) from None
+        with record_calls() as calls:  # on the default group, with a DEADLOCK_S timeout while fn runs
+            got, error = run_bounded(fn, torch.tensor(value, device=device))
+        if isinstance(error, RuntimeError):
+            raise ExerciseFailed(
+                f"{what}: rank {rank} waited {DEADLOCK_S:g} s in a collective that some rank never "
+                f"called ({str(error).splitlines()[0][:80]})"
+            )
+        if error is not None:
+            raise error
         counts = [torch.zeros((), dtype=torch.long, device=device) for _ in range(world)]
         try:
             dist.all_gather(counts, torch.tensor(len(calls), device=device), group=checker_group)
