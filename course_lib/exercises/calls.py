@@ -62,9 +62,10 @@ class record_calls:
 
     `calls` lists every call the learner's code made (looked up as ``dist.<name>`` at call time, so
     ``import torch.distributed as dist`` in the learner's function is seen). A forbidden call raises
-    ExerciseFailed with `advice`. With `bound_s`, a blocking send or recv raises after that many seconds:
-    for tensors gloo carries (CPU tensors, also on the default group of an NCCL rank, whose CPU part is
-    gloo). NCCL's work.wait does not block the host, so a GPU tensor's send or recv is not bounded.
+    ExerciseFailed with `advice`. With `bound_s`, a send or recv raises after that many seconds, blocking or
+    at the `wait()` of its isend/irecv (gloo ignores the group's timeout there): for tensors gloo carries (CPU
+    tensors, also on the default group of an NCCL rank, whose CPU part is gloo). NCCL's work.wait does not
+    block the host, so a GPU tensor's send or recv is not bounded.
     """
 
     forbidden: Iterable[str] = ()
@@ -96,7 +97,12 @@ class record_calls:
                 peer = kwargs.get(peer_key, args[1] if len(args) > 1 else None)
             self.calls.append(Call(name, peer))
             if post is None:
-                return original(*args, **kwargs)
+                posted = original(*args, **kwargs)
+                if self.bound_s is None or name not in NONBLOCKING_P2P:
+                    return posted
+                if isinstance(posted, list):  # batch_isend_irecv
+                    return [_BoundedWork(work, self.bound_s) for work in posted]
+                return _BoundedWork(posted, self.bound_s) if posted is not None else None
             work = post(*args, **kwargs)
             if work is not None and work.wait(datetime.timedelta(seconds=float(self.bound_s or 0))) is False:
                 raise RuntimeError(f"dist.{name} timed out after {self.bound_s:g} s")
@@ -110,6 +116,21 @@ class record_calls:
     ) -> None:
         for name, original in self._saved.items():
             setattr(dist, name, original)
+
+
+class _BoundedWork:
+    """An isend/irecv handle whose wait() gives up after `seconds` (the rest is the handle's own)."""
+
+    def __init__(self, work: Any, seconds: float) -> None:
+        self._work, self._seconds = work, seconds
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        if self._work.wait(datetime.timedelta(seconds=self._seconds)) is False:
+            raise RuntimeError(f"a send or recv timed out after {self._seconds:g} s")
+        return True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
 
 
 def _unwrapping(original_op: type[dist.P2POp]) -> Callable[..., dist.P2POp]:

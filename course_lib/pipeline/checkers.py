@@ -17,7 +17,7 @@ from torch import nn
 
 from course_lib.compare import grad_of
 from course_lib.exercises import ExerciseFailed, calls_into
-from course_lib.exercises.calls import DEADLOCK_S, record_calls
+from course_lib.exercises.calls import DEADLOCK_S, record_calls, run_bounded
 from course_lib.pipeline.execution import execute
 from course_lib.pipeline.schedules import (
     Action,
@@ -180,12 +180,12 @@ def check_pipeline_step(fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], An
         mine = split_into_stages(course_model(n_units=max(p, 2), seed=seed), p)[rank]
         x_here = x if rank == 0 else torch.full_like(x, float("nan"))
         y_here = y if rank == p - 1 else torch.full_like(y, float("nan"))
-        try:
-            with record_calls(bound_s=DEADLOCK_S) as calls:
-                loss = fn(mine, x_here, y_here)
-        except RuntimeError as error:
-            if not any(sign in str(error).lower() for sign in ("timed out", "connection closed", "remote worker")):
-                raise
+        with record_calls(bound_s=DEADLOCK_S) as calls:  # and isend/irecv waits bounded by the group timeout
+            loss, error = run_bounded(fn, mine, x_here, y_here)
+        if error is not None:
+            signs = ("timed out", "connection closed", "remote worker")
+            if not isinstance(error, RuntimeError) or not any(sign in str(error).lower() for sign in signs):
+                raise error
             raise ExerciseFailed(
                 f"rank {rank} of {p}: stuck in recv (batch {batch}; it, or the rank it waited on, gave up after "
                 f"{DEADLOCK_S:g} s): the ranks wait for messages no rank has sent yet: a deadlock"
