@@ -96,17 +96,17 @@ class record_calls:
             if peer_key is not None:
                 peer = kwargs.get(peer_key, args[1] if len(args) > 1 else None)
             self.calls.append(Call(name, peer))
-            if post is None:
-                posted = original(*args, **kwargs)
-                if self.bound_s is None or name not in NONBLOCKING_P2P:
-                    return posted
-                if isinstance(posted, list):  # batch_isend_irecv
-                    return [_BoundedWork(work, self.bound_s) for work in posted]
-                return _BoundedWork(posted, self.bound_s) if posted is not None else None
-            work = post(*args, **kwargs)
-            if work is not None and work.wait(datetime.timedelta(seconds=float(self.bound_s or 0))) is False:
-                raise RuntimeError(f"dist.{name} timed out after {self.bound_s:g} s")
-            return peer
+            if post is not None:  # blocking: post it, then wait at most bound_s
+                work = post(*args, **kwargs)
+                if work is not None:
+                    _BoundedWork(work, self.bound_s or 0.0, name).wait()
+                return peer
+            posted = original(*args, **kwargs)
+            if self.bound_s is None or name not in NONBLOCKING_P2P:
+                return posted
+            if isinstance(posted, list):  # batch_isend_irecv
+                return [_BoundedWork(work, self.bound_s, name) for work in posted]
+            return _BoundedWork(posted, self.bound_s, name) if posted is not None else None
 
         wrapper.__wrapped__ = original  # type: ignore[attr-defined]
         return wrapper
@@ -119,14 +119,14 @@ class record_calls:
 
 
 class _BoundedWork:
-    """An isend/irecv handle whose wait() gives up after `seconds` (the rest is the handle's own)."""
+    """A send or recv handle whose wait() gives up after `seconds` (the rest is the handle's own)."""
 
-    def __init__(self, work: Any, seconds: float) -> None:
-        self._work, self._seconds = work, seconds
+    def __init__(self, work: Any, seconds: float, name: str) -> None:
+        self._work, self._seconds, self._name = work, seconds, name
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         if self._work.wait(datetime.timedelta(seconds=self._seconds)) is False:
-            raise RuntimeError(f"a send or recv timed out after {self._seconds:g} s")
+            raise RuntimeError(f"dist.{self._name} timed out after {self._seconds:g} s")
         return True
 
     def __getattr__(self, name: str) -> Any:
