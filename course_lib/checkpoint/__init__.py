@@ -10,7 +10,7 @@ Three ways to save an FSDP2-sharded training state, from the simplest to what la
     atomic      every save writes step_N.tmp and renames it to step_N when complete: complete or absent
     integrity   verify (sizes, checksums) and latest_complete: resume from the newest good checkpoint
     train       the shared FSDP2 model and steps, the fault-tolerant loop (train_resumable), save stalls
-    figures     the elastic run's loss curve (kernel-only)
+    figures     the elastic run's loss curve; who reads which rows at another world size (kernel-only)
     elastic     two torchrun agents join and leave one c10d rendezvous (run_elastic, kernel side);
                 elastic_train is the rank side: resume at any world size, pause for membership changes
     fault_tolerance  torchft: replica groups with a lighthouse keep training when one dies (train_replica)
@@ -27,7 +27,7 @@ from course_lib.checkpoint.dcp import AppState, AsyncCheckpointer, dcp_load, dcp
 from course_lib.checkpoint.elastic import Segment, agent_messages, run_elastic, segments
 from course_lib.checkpoint.elastic_train import train_elastic
 from course_lib.checkpoint.fault_tolerance import reference_losses, step_losses, train_replica
-from course_lib.checkpoint.figures import plot_elastic
+from course_lib.checkpoint.figures import draw_reads, plot_elastic
 from course_lib.checkpoint.hf import (
     CONSOLIDATED,
     empty_sharded_mlp,

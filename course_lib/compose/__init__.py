@@ -9,10 +9,12 @@
   ``comms.Recorder`` counted;
 - :mod:`.simulate`: layouts of 8 to 64 ranks in one process (torch's fake backend, each rank played in turn):
   every rank's shards and the collectives of a step, against the planner's counts;
+- :mod:`.figures`: what each simulated rank holds, and the planner's explorer (kernel-only);
 - :mod:`.checkers`: the exercises' checkers (coordinates, deferred gradient sync, agreed micro-batches).
 """
 
 from course_lib.compose.checkers import check_accumulate, check_micro_batches, check_my_coordinates
+from course_lib.compose.figures import draw_plan, plot_held
 from course_lib.compose.mesh import DIMS, Dims, new_groups_by_hand, rank_grid
 from course_lib.compose.parallelize import (
     apply_fsdp,

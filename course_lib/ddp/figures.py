@@ -74,3 +74,48 @@ def ddp_bytes_per_rank(n_params: int, param_bytes: int = 4, optimizer_states: in
         optimizer_bytes=optimizer_states * param_bytes,
     )["total"]
     return int(held) + (n_params * param_bytes if bucket_copy else 0)
+
+
+def draw_buckets(
+    bucket_cap_mb: float,
+    network_speedup: float,
+    *,
+    grad_bytes_in_order: list[int],
+    grad_ready_ms: list[float],
+    backward_ms: float,
+    latency_ms: float,
+    bandwidth_B_per_ms: float,
+    world_size: int,
+) -> None:
+    """Left: backward and the bucketed all-reduces simulate_buckets schedules at `bucket_cap_mb`, on a network
+    `network_speedup` times faster than the measured one. Right: the time left after backward, and the number of
+    calls, over a sweep of bucket_cap_mb."""
+    import matplotlib.pyplot as plt
+
+    speed = bandwidth_B_per_ms * network_speedup
+
+    def calls_at(cap_mb: float) -> list[tuple[float, float]]:
+        return simulate_buckets(grad_bytes_in_order, grad_ready_ms, cap_mb, latency_ms, speed, world_size)
+
+    calls = calls_at(bucket_cap_mb)
+    caps = [0.0625, 0.125, 0.25, 0.5, 1, 2, 4, 8, 16, 32]
+    sweep = [calls_at(cap) for cap in caps]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3))
+    left.broken_barh([(0, backward_ms)], (1, 0.8), color="lightgray")
+    left.broken_barh(
+        [(s, e - s) for s, e in calls], (0, 0.8), facecolors=[plt.cm.tab10(i % 10) for i in range(len(calls))]
+    )
+    left.set_yticks([0.4, 1.4], ["all-reduce", "backward"])
+    left.set_xlabel("ms")
+    left.set_title(
+        f"{bucket_cap_mb} MB, network x{network_speedup}: {len(calls)} calls, "
+        f"{overlap_fraction(calls, backward_ms):.0%} hidden"
+    )
+    right.semilogx(caps, [max(0, c[-1][1] - backward_ms) for c in sweep], marker="o", label="exposed ms after backward")
+    right.semilogx(caps, [len(c) for c in sweep], marker="s", label="all-reduce calls")
+    right.axvline(bucket_cap_mb, color="gray", linestyle=":")
+    right.set_xlabel("bucket_cap_mb")
+    right.legend(fontsize=8)
+    right.set_title("sweep over bucket_cap_mb")
+    plt.tight_layout()
+    plt.show()

@@ -8,14 +8,14 @@ computes its ideal timeline or finds its deadlock without running anything (time
 :func:`execute` runs it with point-to-point send/recv (execution.py). train.py holds one training
 step, ours and torch.distributed.pipelining's, against single-process training; torch_schedules.py torch's
 two-stages-per-rank schedules (zero bubble, DualPipeV, looped BFS) and their action lists as ours; figures.py the
-Gantt chart; checkers.py the exercises' checkers
+Gantt chart and the schedule explorer; checkers.py the exercises' checkers
 (solutions: notebooks/solutions/08_pipeline_parallel.py). The names below are those the notebook, tests and
 benchmark use.
 """
 
 from course_lib.pipeline.checkers import check_one_f_one_b, check_pipeline_step
 from course_lib.pipeline.execution import execute, naive_model_parallel
-from course_lib.pipeline.figures import plot_timeline
+from course_lib.pipeline.figures import draw_schedule, plot_timeline
 from course_lib.pipeline.schedules import (
     SCHEDULES,
     ZERO_BUBBLE,

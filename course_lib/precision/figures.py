@@ -1,4 +1,5 @@
-"""The tables notebook 04 prints: the formats' range and precision, and (GPU only) matmul throughput."""
+"""The tables and figures of notebook 04: the formats' range and precision, (GPU only) matmul throughput, and the
+explorer of how a number is stored and which scaled gradients fp16 keeps."""
 
 from __future__ import annotations
 
@@ -6,7 +7,15 @@ import math
 
 import torch
 
-from course_lib.precision.number_formats import DTYPE_NAMES, FLOAT_DTYPES, LAYOUT, smallest_subnormal
+from course_lib.precision.number_formats import (
+    DTYPE_NAMES,
+    FLOAT_DTYPES,
+    LAYOUT,
+    bit_fields,
+    rounding_error,
+    smallest_subnormal,
+    stored_value,
+)
 
 
 def finfo_table(dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> list[dict]:
@@ -48,3 +57,40 @@ def matmul_tflops(dtype: torch.dtype, device: torch.device, n: int = 8192, repea
         times_ms.append(start.elapsed_time(end))
     median_s = sorted(times_ms)[len(times_ms) // 2] / 1e3
     return 2 * n**3 / median_s / 1e12
+
+
+def draw_storage(value: float, dtype_name: str, log2_loss_scale: int, *, grads: torch.Tensor) -> None:
+    """Left: the bits of `value` in `dtype_name` (sign | exponent | mantissa), its stored value and rounding error.
+    Right: log2 |gradient| of the non-zero `grads` times 2^log2_loss_scale, over fp16's bands: rounds to zero
+    (grey), subnormal (orange), overflow (red)."""
+    import matplotlib.pyplot as plt
+
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
+    sign, exponent, mantissa = bit_fields(value, dtype)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 2.8), gridspec_kw={"width_ratios": [1.2, 1]})
+    for i, (bit, colour) in enumerate(
+        [(b, "C3") for b in sign] + [(b, "C0") for b in exponent] + [(b, "C2") for b in mantissa]
+    ):
+        left.add_patch(plt.Rectangle((i, 0), 0.95, 1, color=colour, alpha=0.35))
+        left.text(i + 0.47, 0.5, bit, ha="center", va="center", fontsize=7)
+    left.set_xlim(0, len(sign + exponent + mantissa))
+    left.set_ylim(0, 1.6)
+    left.axis("off")
+    left.text(
+        0,
+        1.2,
+        f"{value:g} as {dtype_name}: stored {stored_value(value, dtype):.8g}, "
+        f"relative error {rounding_error(value, dtype):.1e}   (sign | exponent | mantissa)",
+    )
+    scaled = torch.log2(grads.abs()) + log2_loss_scale
+    lowest, highest = float(scaled.min()), float(scaled.max())
+    right.hist(scaled, bins=60, color="C0")
+    right.axvspan(min(lowest, -25.0) - 2, -25, color="0.6", alpha=0.4)  # rounds to 0 (below half of 2^-24)
+    right.axvspan(-25, -14, color="C1", alpha=0.25)  # subnormal: fewer digits
+    right.axvspan(math.log2(65504), max(highest, 17.0) + 2, color="C3", alpha=0.25)
+    in_fp16 = (grads * 2.0**log2_loss_scale).to(torch.float16)
+    zero, inf = (in_fp16 == 0).float().mean().item(), in_fp16.isinf().float().mean().item()
+    right.set_title(f"loss scale 2^{log2_loss_scale}: {zero:.0%} underflow, {inf:.0%} overflow in fp16", fontsize=9)
+    right.set_xlabel("log2 |gradient x scale|")
+    plt.tight_layout()
+    plt.show()

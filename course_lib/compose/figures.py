@@ -1,0 +1,59 @@
+"""Kernel side (figures only): what each simulated rank of a layout holds, and the planner's explorer."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from course_lib.compose.mesh import Dims
+from course_lib.compose.planner import Cluster, ModelShape, plan, step_time
+from course_lib.compose.simulate import Shard
+
+
+def plot_held(shards: list[dict[str, Shard]], layout: Dims) -> torch.Tensor:
+    """Parameters each simulated rank holds, as a tp x (pp * dp) heatmap; returns them as a (pp, dp, tp) tensor."""
+    import matplotlib.pyplot as plt
+
+    held = [sum(math.prod(shard.shape) for shard in rank.values()) for rank in shards]
+    per_rank = torch.tensor(held).view(layout.pp, layout.dp, layout.tp)
+    fig, ax = plt.subplots(figsize=(7, 2.4))
+    image = ax.imshow(per_rank.permute(2, 0, 1).reshape(layout.tp, -1), cmap="viridis")
+    ax.set_xticks(range(layout.pp * layout.dp), [str(d) for _ in range(layout.pp) for d in range(layout.dp)])
+    ax.set_xlabel("dp coordinate, stage after stage")
+    ax.set_yticks(range(layout.tp), [f"tp {t}" for t in range(layout.tp)])
+    for stage in range(1, layout.pp):
+        ax.axvline(stage * layout.dp - 0.5, color="w")
+    ax.set_title(f"parameters each of the {layout.world} simulated ranks holds")
+    fig.colorbar(image, ax=ax, shrink=0.8)
+    plt.tight_layout()
+    plt.show()
+    return per_rank
+
+
+def draw_plan(billions: int, nodes: int, gpus_per_node: int, tp: int, pp: int, inter_node_GBps: int) -> None:
+    """The planner on a Llama-like model of `billions` parameters (80 layers): memory per GPU by part against an
+    H100's 80 GB, and communication per GPU and step by dimension."""
+    import matplotlib.pyplot as plt
+
+    n_gpus = nodes * gpus_per_node
+    shape = ModelShape(n_params=billions * 1e9, layers=80, hidden=8192 if billions >= 30 else 4096, heads=64)
+    if n_gpus % (tp * pp) or tp > gpus_per_node or shape.layers % pp:
+        print(f"{n_gpus} GPUs cannot be split into tp={tp} x pp={pp} (tp inside a node, 80 layers over pp)")
+        return
+    r = plan(shape, n_gpus // (tp * pp), tp, pp, Cluster(gpus_per_node, inter_node_GBps=inter_node_GBps))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 2.8))
+    bottom = 0.0
+    for part in ["params_GB", "grads_GB", "optimizer_GB", "activations_GB"]:
+        a.bar(0, r[part], bottom=bottom, label=part.removesuffix("_GB"))
+        bottom += r[part]
+    a.axhline(80, color="k", linestyle="--", linewidth=1)
+    a.set_xticks([])
+    a.set_ylabel("GB per GPU")
+    a.legend(fontsize=8)
+    a.set_title(f"dp={r['dp']:.0f}, tp={tp}, pp={pp}: {r['memory_GB']:.0f} GB")
+    b.barh(["TP", "DP", "PP"], [r["tp_comm_GB"], r["dp_comm_GB"], r["pp_comm_GB"]])
+    b.set_xlabel("GB per GPU per step")
+    b.set_title(f"step ~{step_time(r):.0f} s ({r['compute_s']:.0f} s compute), bubble {r['bubble']:.1%}")
+    plt.tight_layout()
+    plt.show()
