@@ -42,15 +42,13 @@ def test_resharding_4_to_2_to_3_and_to_one_process(tmp_path):
                 ["shard_0.bin", "shard_1.bin"],
                 ["shard_1.bin"],
             ]
-        # each rank read its rows of every sharded tensor (S = 12 P together) and every replicated tensor
-        metadata = json.loads((tmp_path / f"mine_{source}" / "step_2" / ck.METADATA).read_text())
-        replicated = sum(
-            (e["shape"][0] if e["shape"] else 1) * ck.row_bytes(e["shape"], getattr(torch, e["dtype"]))
-            for e in metadata["tensors"].values()
-            if not e["sharded"]
-        )
+        # each rank read its rows of every sharded tensor (S = 12 P together) and every replicated tensor: exactly
+        # what bytes_to_read derives from the metadata alone
+        expected = ck.bytes_to_read(tmp_path / f"mine_{source}" / "step_2", nproc)
+        assert [r["row_bytes"] for r in results] == [e["rows"] + e["replicated"] for e in expected]
+        replicated = expected[0]["replicated"]
         state_bytes = 12 * sum(p.numel() for p in MLP().parameters())
-        assert sum(r["row_bytes"] for r in results) == state_bytes + nproc * replicated
+        assert sum(e["rows"] for e in expected) == state_bytes
         for got in results:
             # S/M up to torch.chunk's rounding: ceil(R/M) rows per rank, the last ranks fewer (7% at M = 3)
             assert abs(got["row_bytes"] - replicated - state_bytes / nproc) <= 0.1 * state_bytes / nproc

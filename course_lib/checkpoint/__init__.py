@@ -5,7 +5,8 @@ Three ways to save an FSDP2-sharded training state, from the simplest to what la
     snapshot    gather the whole state, rank 0 writes one torch.save file (it must fit in one process)
     dcp         torch.distributed.checkpoint with an AppState: every rank writes its shards in parallel,
                 loading reshards onto any world size; AsyncCheckpointer saves in the background
-    sharded     the same idea from scratch (save_sharded / load_sharded), so DCP's files stop being magic
+    sharded     the same idea from scratch (save_sharded / load_sharded), so DCP's files stop being magic;
+                bytes_to_read: what each loading rank must read, from the metadata alone
     raw_rows    its shard files: raw rows with a CRC-32 each; reads that fetch and check only a rank's rows
     atomic      every save writes step_N.tmp and renames it to step_N when complete: complete or absent
     integrity   verify (sizes, checksums) and latest_complete: resume from the newest good checkpoint
@@ -41,7 +42,14 @@ from course_lib.checkpoint.integrity import files_of, latest_complete, verify
 from course_lib.checkpoint.local_sgd import SYNC_RUNS, train_synced
 from course_lib.checkpoint.raw_rows import bytes_read_by_process, row_bytes
 from course_lib.checkpoint.replicas import compare_sync, run_torchft
-from course_lib.checkpoint.sharded import flat_tensors, load_sharded, read_plan, save_sharded, shard_rows
+from course_lib.checkpoint.sharded import (
+    bytes_to_read,
+    flat_tensors,
+    load_sharded,
+    read_plan,
+    save_sharded,
+    shard_rows,
+)
 from course_lib.checkpoint.snapshot import load_full_snapshot, save_full_snapshot
 from course_lib.checkpoint.train import (
     differing,

@@ -31,7 +31,7 @@ from course_lib.checkpoint.atomic import (
     _sha256,
 )
 from course_lib.checkpoint.integrity import verify
-from course_lib.checkpoint.raw_rows import read_rows, read_whole, write_rows
+from course_lib.checkpoint.raw_rows import read_rows, read_whole, row_bytes, write_rows
 
 
 def shard_rows(n_rows: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -57,6 +57,26 @@ def read_plan(n_rows: int, saved_world: int, loading_world: int) -> list[list[tu
                 reads.append((saved_rank, lo, hi))
         plan.append(reads)
     return plan
+
+
+def bytes_to_read(directory: str | os.PathLike, loading_world: int) -> list[dict[str, int]]:
+    """What each of `loading_world` ranks must read of the checkpoint in `directory`, from its metadata alone: the
+    rows it will hold of each sharded tensor (`rows`), every replicated tensor whole (`replicated`), and the two
+    files every rank reads (`header`: metadata.json and objects.pt). load_sharded counts what it does read."""
+    directory = Path(directory)
+    tensors = json.loads((directory / METADATA).read_text())["tensors"].values()
+    header = (directory / METADATA).stat().st_size + (directory / OBJECTS).stat().st_size
+
+    def rows_and_width(entry: dict[str, Any]) -> tuple[int, int]:
+        return (entry["shape"][0] if entry["shape"] else 1), row_bytes(entry["shape"], getattr(torch, entry["dtype"]))
+
+    replicated = sum(n * width for n, width in map(rows_and_width, (e for e in tensors if not e["sharded"])))
+    sharded = [rows_and_width(e) for e in tensors if e["sharded"]]
+    held = [
+        sum(width * (stop - start) for n, width in sharded for start, stop in [shard_rows(n, loading_world, r)])
+        for r in range(loading_world)
+    ]
+    return [{"rows": rows, "replicated": replicated, "header": header} for rows in held]
 
 
 def _flatten(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
