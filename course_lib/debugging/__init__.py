@@ -10,7 +10,7 @@
   the flight recorder's last collectives, the job ended with nothing left behind;
 - :mod:`.nccl`: NCCL only: a collective that times out under each error-handling mode;
 - :mod:`.stragglers`: each rank's step split into its own work and its wait for the slowest rank;
-- :mod:`.figures`: the live per-step plot and the straggler figure (kernel-only);
+- :mod:`.figures`: the live per-step plot, the straggler figure and the throughput explorer (kernel-only);
 - :mod:`.checkers`: the exercises' checkers (gradients in sync; a rank that skips a collective).
 """
 
@@ -18,7 +18,7 @@ from course_lib.debugging.checkers import check_gradients_in_sync, check_mean_fi
 from course_lib.debugging.checksums import checksum_range, gradient_checksums
 from course_lib.debugging.debugger import DistributedDebugger, GradientDesyncError, NonFiniteError, NonFiniteEvent
 from course_lib.debugging.environment import differing_keys, environment_report, mismatch_fingerprints
-from course_lib.debugging.figures import LiveStepPlot, plot_stragglers
+from course_lib.debugging.figures import LiveStepPlot, draw_throughput, plot_stragglers
 from course_lib.debugging.hang import arm_for_diagnosis, diagnose_hang, processes_of, settled_stacks
 from course_lib.debugging.logs import c10d_log, nccl_log, rank_lines, sanitize
 from course_lib.debugging.monitor import memory_mb

@@ -1,8 +1,10 @@
-"""Kernel side (figures only): the per-step plot of notebook 12, redrawn while the ranks train."""
+"""Kernel side (figures only): the per-step plot of notebook 12, redrawn while the ranks train; the throughput
+explorer."""
 
 from __future__ import annotations
 
 import re
+import statistics
 import time
 from typing import TYPE_CHECKING
 
@@ -131,3 +133,22 @@ def plot_stragglers(times: list[dict[str, list[float]]]) -> Figure:
     right.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def draw_throughput(
+    window: int, skip_warmup: int, *, steps: list[dict[str, list[float]]], samples_per_step: int
+) -> None:
+    """Each rank's global samples per second, step by step (`samples_per_step` / its step's seconds), as a rolling
+    median over `window` steps after the first `skip_warmup`."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3))
+    for r, s in enumerate(steps):
+        rate = [samples_per_step / t for t in s["seconds"]][skip_warmup:]
+        smooth = [statistics.median(rate[max(0, i - window + 1) : i + 1]) for i in range(len(rate))]
+        ax.plot(range(skip_warmup, skip_warmup + len(rate)), smooth, label=f"rank {r}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("global samples / s")
+    ax.set_title(f"rolling median over {window} steps, first {skip_warmup} skipped")
+    ax.legend(fontsize=8)
+    plt.show()
