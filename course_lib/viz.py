@@ -26,19 +26,24 @@ def headless() -> bool:
 
 
 def explore(draw: Callable[..., None], **controls: Any) -> None:
-    """`draw(**values)` under sliders/dropdowns; controls as for ipywidgets.interact.
+    """`draw(**values)` under sliders/dropdowns, redrawn when one moves.
 
     Each control is `(min, max, step, default)` for an int slider, or a list of
-    options (first is the default).
+    options (first is the default). `draw` is called with the controls' values only,
+    so it may take more arguments, bound beforehand (`functools.partial(draw, data=...)`).
     """
     defaults = {name: _default(spec) for name, spec in controls.items()}
     if headless():
         draw(**defaults)
         return
     import ipywidgets as widgets
+    from IPython.display import display
 
     made = {name: _widget(name, spec) for name, spec in controls.items()}
-    widgets.interact(draw, **made)
+    # interactive_output, not interact: interact would also make a widget for every bound argument of `draw`
+    # (from its default or its annotation) and needs `draw.__name__`, which a partial has not.
+    figure = widgets.interactive_output(draw, made)
+    display(widgets.VBox([*(w for w in made.values() if isinstance(w, widgets.Widget)), figure]))
 
 
 def _default(spec: Any) -> Any:
