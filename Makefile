@@ -24,14 +24,15 @@ $(STAMP): pyproject.toml
 course: $(STAMP)      ## execute every notebook into build/course/ and print a summary table
 	$(PY) -m course_lib.course.runner --out build/course $(ARGS)
 
-test: $(STAMP)        ## unit tests of course_lib, and nbval: every notebook once, at its default parameters
-	$(PY) -m pytest tests notebooks $(NBVAL) -m "not notebook" --ignore=tests/browser $(XDIST) --dist loadfile $(ARGS)
+test: $(STAMP)        ## unit tests of course_lib (multi-rank ones on 3 ranks), and nbval: every notebook once, at its defaults
+	$(PY) -m pytest tests notebooks $(NBVAL) -m "not sweep" --ignore=tests/browser $(XDIST) --dist loadfile $(ARGS)
 
-# NPROCS: the world sizes test-ranks runs every notebook at (1,2,4,8 is the full sweep; CI runs 1 and 4),
-# each but the notebook's own NPROC, at which nbval in `make test` runs it.
+# The sweeps (tests marked `sweep`): every notebook under papermill at each of NPROCS but its own (nbval runs it
+# there); each notebook's setup at NPROC 1-8 on 0-8 faked GPUs; the multi-rank tests at their other world sizes.
+# NPROCS=1,2,4,8 is the full sweep; CI runs 1 and 4.
 NPROCS ?= 1,4
-test-ranks: $(STAMP)  ## every notebook under papermill at each of NPROCS: it runs there (its own assertions hold) or refuses at once
-	TEST_NPROCS=$(NPROCS) $(PY) -m pytest -m notebook tests/test_notebooks.py $(XDIST) --dist load $(ARGS)
+test-ranks: $(STAMP)  ## the sweeps: notebooks at each of NPROCS (they run, assertions holding, or refuse at once), tests at other world sizes
+	TEST_NPROCS=$(NPROCS) $(PY) -m pytest -m sweep tests --ignore=tests/browser $(XDIST) --dist load $(ARGS)
 
 test-browser: AS_ROOT = $$(test "$$(id -u)" = 0 || echo sudo) env DEBIAN_FRONTEND=noninteractive
 test-browser: $(STAMP)  ## JupyterLab in headless Chromium runs notebooks 00 and 01: outputs, ranks, explorer; screenshots in build/browser/

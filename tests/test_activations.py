@@ -18,7 +18,7 @@ from course_lib import activations, compare, memory
 from course_lib.exercises import ExerciseFailed, check, check_prediction
 from course_lib.launch import launch
 from course_lib.models import TransformerBlock
-from tests.rank_programs import assert_checker, quiet
+from tests.rank_programs import assert_checker, quiet, world_sizes
 
 SOLUTIONS = runpy.run_path(
     str(Path(__file__).resolve().parents[1] / "notebooks" / "solutions" / "05_activation_memory.py")
@@ -206,7 +206,7 @@ for sp in (False, True):
 """
 
 
-@pytest.mark.parametrize("nproc", [2, 3, 4])
+@pytest.mark.parametrize("nproc", world_sizes(2, 3, 4))
 def test_tensor_and_sequence_parallel_bytes_per_rank_equal_the_derivation(nproc):
     done = launch(TP_BODY, nproc, backend="gloo", out=["result"], write=quiet)
     for rank, result in enumerate(done.values["result"]):

@@ -12,12 +12,12 @@ import torch.distributed as dist
 from course_lib import collectives
 from course_lib.exercises import check, check_prediction
 from course_lib.launch import launch
-from tests.rank_programs import assert_judged, judge, quiet, run
+from tests.rank_programs import assert_judged, judge, quiet, run, world_sizes
 from tests.rank_programs import collectives as rank_programs
 
 
 # One launch per world size: every size and operation is checked inside it (a launch costs seconds).
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", world_sizes(2, 3, 4))
 def test_ring_matches_torch(world_size):
     results = run(rank_programs.against_torch, world_size, timeout=120)
     problems = [p for per_rank in results for p in per_rank["problems"]]
@@ -72,7 +72,7 @@ def expected_collective(name, k, n):
     ]
 
 
-@pytest.mark.parametrize("world_size", [3, 4])
+@pytest.mark.parametrize("world_size", world_sizes(3, 4))
 def test_stepped_ring_and_live_explorer(world_size):
     # by its importable name: pytest imports this file as `test_collectives`, which a rank cannot import
     body = "from tests.test_collectives import stepped_ring_and_explorer as f\nresult = f(rank, world_size)\n"
@@ -331,7 +331,7 @@ def test_solutions_pass_and_wrong_answers_fail_on_3_ranks():
     )
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc", world_sizes(2, 4))
 def test_solutions_pass_at_other_world_sizes(nproc):
     answers = solutions(nproc)
     verdicts = judge([(answers[name], getattr(collectives, checker)) for name, checker in SOLVED], nproc)

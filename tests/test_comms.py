@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from course_lib import comms
-from tests.rank_programs import run_source
+from tests.rank_programs import run_source, world_sizes
 
 
 def every_op(rank, world_size):
@@ -57,7 +57,7 @@ def every_op(rank, world_size):
     }
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", world_sizes(2, 3))
 def test_every_op_is_recorded_with_its_payload_group_and_phase(world_size):
     n = world_size
     results = run_source(every_op, n)

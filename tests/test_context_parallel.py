@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from course_lib import context_parallel as cp
 from course_lib.exercises import check, check_prediction
-from tests.rank_programs import assert_checker, judge, run_source
+from tests.rank_programs import assert_checker, judge, run_source, world_sizes
 
 SOLUTIONS = runpy.run_path(
     str(Path(__file__).parent.parent / "notebooks" / "solutions" / "09_context_and_expert_parallel.py")
@@ -122,7 +122,7 @@ def ring_against_full_attention(rank, world_size):
     return dict(errors=errors, traffic_ok=traffic_ok, traces=traces)
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", world_sizes(2, 3, 4))
 def test_ring_attention_equals_full_attention(n):
     for rank, result in enumerate(run_source(ring_against_full_attention, n)):
         assert max(result["errors"]) < 1e-12, (n, rank, result["errors"])
@@ -161,7 +161,7 @@ def ulysses_against_full_attention(rank, world_size):
     return {"errors": errors, "sent": sent}
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", world_sizes(2, 3, 4))
 def test_ulysses_equals_full_attention_and_sends_its_formula(n):
     for rank, result in enumerate(run_source(ulysses_against_full_attention, n)):
         assert max(result["errors"]) < 1e-12, (n, rank, result["errors"])

@@ -19,10 +19,10 @@ from course_lib import comms, compare, ddp
 from course_lib.exercises import check, check_prediction
 from course_lib.models import MLP
 from tests.rank_programs import ddp as rank_programs
-from tests.rank_programs import run, run_source
+from tests.rank_programs import run, run_source, world_sizes
 
 
-@pytest.mark.parametrize("nproc", [2, 3, 4])
+@pytest.mark.parametrize("nproc", world_sizes(2, 3, 4))
 def test_minimal_ddp_equals_torch_ddp_and_single_process(nproc):
     values = run(rank_programs.equality, nproc)
     for rank in range(nproc):
@@ -307,7 +307,7 @@ def uneven_inputs(rank: int, world_size: int) -> dict:
     return {"done": done, "outcome": outcome, "gaps": gaps, "steps": steps, "scratch_gap": scratch_gap}
 
 
-@pytest.mark.parametrize("nproc", [2, 3])
+@pytest.mark.parametrize("nproc", world_sizes(2, 3))
 def test_uneven_inputs_hang_without_join_and_equal_the_reference_with_it(nproc):
     stuck = ", ".join(str(r) for r in range(1, nproc))
     for rank, values in enumerate(run_source(uneven_inputs, nproc)):

@@ -17,7 +17,7 @@ import torch
 from course_lib import debugging
 from course_lib.exercises import check, check_prediction
 from course_lib.launch import RankFailedError
-from tests.rank_programs import assert_judged, judge, run
+from tests.rank_programs import assert_judged, judge, run, world_sizes
 from tests.rank_programs import debugging as programs
 from tests.rank_programs import debugging_tools as rank_tools
 
@@ -164,7 +164,7 @@ def solutions(nproc=2):
     return runpy.run_path(str(SOLUTIONS), init_globals={"NPROC": nproc})
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc", world_sizes(2, 4))
 def test_exercise_solutions_pass(nproc):
     solved = solutions(nproc)
     cases = [
@@ -223,11 +223,12 @@ def mean_loss_over_all_ranks(loss):
     return totals[0].item() / dist.get_world_size(), int(totals[1].item())  # divides by N, not the finite count
 
 
-def test_wrong_answers_that_fail_on_every_rank_at_once_are_judged_in_one_launch():
+def test_solutions_and_wrong_answers_that_fail_on_every_rank_at_once_are_judged_in_one_launch():
     checker = debugging.check_gradients_in_sync
     mean_checker = debugging.check_mean_finite_loss
+    solved = solutions(3)
     assert_judged(
-        [],
+        [(solved["gradients_in_sync"], checker), (solved["mean_finite_loss"], mean_checker)],
         [
             (
                 wrong_always_true,

@@ -16,7 +16,7 @@ import torch
 
 from course_lib import expert_parallel as ep
 from course_lib.exercises import check
-from tests.rank_programs import assert_checker, judge, run_source
+from tests.rank_programs import assert_checker, judge, run_source, world_sizes
 
 SOLUTIONS = runpy.run_path(
     str(Path(__file__).parent.parent / "notebooks" / "solutions" / "09_context_and_expert_parallel.py")
@@ -126,7 +126,7 @@ def expert_parallel_against_one_process(rank, world_size):
     return result
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", world_sizes(2, 3, 4))
 def test_expert_parallel_equals_one_process(n):
     for rank, result in enumerate(run_source(expert_parallel_against_one_process, n)):
         for name in ("all_to_all", "torch_all_to_all"):

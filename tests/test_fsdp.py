@@ -16,10 +16,10 @@ import torch
 from course_lib import fsdp
 from course_lib.exercises import check
 from tests.rank_programs import fsdp as rank_programs
-from tests.rank_programs import run, run_source
+from tests.rank_programs import run, run_source, world_sizes
 
 
-@pytest.mark.parametrize("nproc", [2, 3, 4])
+@pytest.mark.parametrize("nproc", world_sizes(2, 3, 4))
 def test_zero_stages_equal_single_process_and_fully_shard(nproc):
     results = run(rank_programs.equality, nproc, timeout=240)
     problems = [p for per_rank in results for p in per_rank["problems"]]

@@ -1,5 +1,5 @@
-"""Notebook 13's library: the text snapshot, the loader, the GPT and its stages, the calculators, every layout
-against one process on real gloo ranks, the resharded resume, and the exercises' checkers."""
+"""Notebook 13's library: the text snapshot, the loader, the GPT and its stages, the calculators, the data-parallel
+layouts on 3 real gloo ranks against one process, and the exercises' checkers."""
 
 from __future__ import annotations
 
@@ -137,17 +137,21 @@ def reference():
     return run_layout({"name": "one process"}, steps=4)["losses"]
 
 
+# Notebook 13 runs every layout at its NPROC (2): DDP and FSDP2 on 2 ranks, FSDP2 x TP on 2 x 2, PP x FSDP2 x TP on
+# 2 x 2 x 2, compiled, and the 2 x 2 checkpoint resumed on 3 ranks, and asserts what these tests assert (its losses
+# within the drift of a second one-process run). Here: the data-parallel layouts on 3 ranks (rows 6, 5, 5), within
+# 1e-4 of one process over 4 steps; with the other world sizes, in `make test-ranks`.
+@pytest.mark.sweep
 @pytest.mark.parametrize(
     "fields",
     [
-        {"name": "DDP", "dp": 3, "ddp": True},  # 16 rows: 6, 5, 5
+        {"name": "DDP", "dp": 3, "ddp": True},
         {"name": "FSDP2", "dp": 3},
-        {"name": "FSDP2 x TP", "dp": 2, "tp": 2},
-        {"name": "PP x FSDP2 x TP", "dp": 2, "tp": 2, "pp": 2, "n_mb": 2},
+        {"name": "FSDP2, compiled", "dp": 3, "compiled": True},
     ],
     ids=lambda f: f["name"],
 )
-def test_every_layout_trains_like_one_process_and_costs_what_the_calculators_say(fields, reference):
+def test_data_parallel_layouts_on_3_ranks_train_like_one_process_and_cost_what_the_calculators_say(fields, reference):
     summary = run_layout(fields, steps=4)
     layout = gpt.Layout(**fields)
     assert max(abs(a - b) for a, b in zip(summary["losses"], reference)) < 1e-4
@@ -156,21 +160,8 @@ def test_every_layout_trains_like_one_process_and_costs_what_the_calculators_say
     predicted = gpt.predicted_traffic(layout, CONFIG, 16)
     for dim, sent in summary["sent"].items():
         assert sent == pytest.approx(predicted[dim], rel=0.05), dim
-
-
-@pytest.mark.parametrize(
-    "fields", [{"name": "one process, compiled"}, {"name": "FSDP2, compiled", "dp": 3}], ids=lambda f: f["name"]
-)
-def test_a_compiled_layout_trains_like_one_process_with_one_graph_and_the_same_costs(fields, reference):
-    fields = {**fields, "compiled": True}
-    summary = run_layout(fields, steps=4)
-    layout = gpt.Layout(**fields)
-    assert max(abs(a - b) for a, b in zip(summary["losses"], reference)) < 1e-4
-    assert summary["graphs"] == (1, 1)  # both blocks run one graph, compiled in the first step; no recompile
-    for held, (stage, dp_rank) in zip(summary["held"], summary["coordinates"]):
-        assert held["total"] == gpt.predicted_shard_bytes(layout, CONFIG, stage, dp_rank)
-    predicted = gpt.predicted_traffic(layout, CONFIG, 16)
-    assert summary["sent"]["dp"] == pytest.approx(predicted["dp"], rel=0.05)
+    if layout.compiled:
+        assert summary["graphs"] == (1, 1)  # both blocks run one graph, compiled in the first step; no recompile
 
 
 def test_compiling_in_place_keeps_every_parameter_name():
@@ -179,13 +170,6 @@ def test_compiling_in_place_keeps_every_parameter_name():
     assert list(compiled.state_dict()) == list(eager.state_dict())  # a checkpoint does not see the compile
     assert all(block._compiled_call_impl is not None for block in compiled.blocks)
     assert all(block._compiled_call_impl is None for block in eager.blocks)
-
-
-def test_a_2d_checkpoint_resumes_exactly_in_fsdp_on_three_ranks(tmp_path, reference):
-    two_d = run_layout({"name": "FSDP2 x TP", "dp": 2, "tp": 2}, steps=4, save_at=2, checkpoint=str(tmp_path))
-    resumed = run_layout({"name": "FSDP2", "dp": 3}, steps=4, checkpoint=str(tmp_path), resume=True)
-    assert resumed["first_step"] == 2 and resumed["fingerprint"] == two_d["fingerprint"]
-    assert max(abs(a - b) for a, b in zip(resumed["losses"], two_d["losses"][2:])) < 1e-4
 
 
 # ---- the exercises -------------------------------------------------------------------------------------------

@@ -1,13 +1,15 @@
-"""Every notebook on 0, 1, 2, 4 and 8 GPUs, proven without one: the GPU count is faked in the kernel.
+"""Every notebook at NPROC 1 to 8 on 0, 1, 2, 4 and 8 GPUs, proven without one: the GPU count is faked in the kernel.
 
 For each notebook, one kernel is told it has G CUDA devices (torch.cuda.is_available and
 device_count patched before anything runs), then runs the parameters cell with NPROC and BACKEND
-injected as papermill does, and the setup cells. Where the notebook accepts them, every distributed
-cell of the notebook (each `%%torchrun` and `%dist start` line, each launch(...), check(...) and
-the other calls that start ranks) is resolved there as it would be when run: its rank count and
-backend must be able to run on G GPUs (nccl only when its ranks fit, one GPU each), its gloo ranks
-must see no GPU, and a cell of NPROC ranks on the notebook's BACKEND must get the GPUs when they are
-enough. No rank starts.
+injected as papermill does, and the setup cells: they accept NPROC, or refuse it at once with a
+ParameterError that names nccl (too few GPUs) or every NPROC from 1 to 8 that works. Where the
+notebook accepts them, every distributed cell of the notebook (each `%%torchrun` and `%dist start`
+line, each launch(...), check(...) and the other calls that start ranks) is resolved there as it
+would be when run: its rank count and backend must be able to run on G GPUs (nccl only when its
+ranks fit, one GPU each), its gloo ranks must see no GPU, and a cell of NPROC ranks on the
+notebook's BACKEND must get the GPUs when they are enough. No rank starts. With the notebooks at
+other NPROCs, in `make test-ranks` (marked `sweep`).
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ import pytest
 from IPython.core.inputtransformer2 import TransformerManager
 from notebook_kit import fake_gpus_code
 
+from course_lib import params
 from course_lib.course import probe, runner
 
 NOTEBOOKS = runner.find_notebooks([])
 GPU_COUNTS = (0, 1, 2, 4, 8)
-NPROCS = (1, 2, 4, 8)
 # Calls that start ranks: the argument that gives the rank count (position, keyword) and the backend's keyword.
 RANK_CALLS = {"launch": (1, "nproc"), "check": (None, "nproc"), "diagnose_hang": (1, "nproc")}
 
@@ -101,22 +103,26 @@ def _resolve_sites(sites, gpus, requested):
 """
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_every_distributed_cell_fits_the_gpus(path, probe_kernel):
+def test_every_nproc_runs_or_is_refused_at_once_and_every_distributed_cell_fits_the_gpus(path, probe_kernel):
     nb = nbformat.read(path, as_version=4)
     setup, sites = probe.Setup(nb, probe_kernel), rank_sites(nb)
     assert sites, "the notebook starts no ranks?"
+    name, message, _ = setup.run()  # the notebook's own parameters first: they work, and imports are warm after
+    assert name == "", f"the notebook's default parameters fail: {name}: {message}"
     assert probe_kernel.run(RESOLVE_SITES)[0] == ""
     failures, accepted = [], {}
     for gpus in GPU_COUNTS:
         assert probe_kernel.run(fake_gpus_code(gpus))[0] == ""
         for backend in ("auto", "nccl"):
-            for nproc in NPROCS:
+            refused = {}
+            for nproc in params.TRIED_ON_CPU:
                 name, message, _ = setup.run(NPROC=nproc, BACKEND=backend)
                 if name == "ParameterError":
-                    # a refusal is right only where nccl lacks GPUs or the lesson needs another NPROC
-                    if not (backend == "nccl" and nproc > gpus) and "that work" not in message:
-                        failures.append(f"{gpus} GPUs, NPROC={nproc}, {backend}: refused: {message}")
+                    if backend == "nccl" and nproc > gpus and "nccl" in message:
+                        continue  # nccl needs a GPU per rank
+                    refused[nproc] = message
                     continue
                 if name:
                     failures.append(f"{gpus} GPUs, NPROC={nproc}, {backend}: setup raised {name}: {message}")
@@ -125,6 +131,11 @@ def test_every_distributed_cell_fits_the_gpus(path, probe_kernel):
                 name, message, _ = probe_kernel.run(f"_resolve_sites({sites!r}, {gpus}, {backend!r})")
                 if name:
                     failures.append(f"{gpus} GPUs, NPROC={nproc}, BACKEND={backend}: {message}")
+            # any other refusal is the lesson's: its message names every value that works (with auto)
+            works = ", ".join(str(n) for n in accepted.get((gpus, "auto"), []))
+            for nproc, message in refused.items():
+                if f"Values from 1 to 8 that work: {works}" not in message:
+                    failures.append(f"{gpus} GPUs, NPROC={nproc}, {backend}: refused: {message} (works: {works})")
     assert failures == [], "\n".join(failures)
     for gpus in GPU_COUNTS:  # the defaults run on any machine; nccl runs wherever its NPROC fits
         assert accepted.get((gpus, "auto")), f"no NPROC accepted on {gpus} GPUs with BACKEND='auto'"

@@ -17,6 +17,7 @@ from monarch.spmd import setup_torch_elastic_env_async
 
 from course_lib.launch.processes import running
 from course_lib.rpc import monarch_actors
+from tests.rank_programs import world_sizes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,7 +26,7 @@ def run(coroutine):
     return asyncio.run(coroutine)
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", world_sizes(2, 3))
 def test_calls_slices_broadcast_and_all_reduce_then_no_process_left(n):
     async def session():
         async with monarch_actors.process_mesh(n) as mesh:

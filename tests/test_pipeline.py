@@ -9,7 +9,7 @@ import torch
 
 from course_lib import pipeline as pp
 from course_lib.exercises import check
-from tests.rank_programs import assert_checker, judge, run, run_source
+from tests.rank_programs import assert_checker, judge, run, run_source, world_sizes
 from tests.rank_programs import pipeline as rank_programs
 
 SOLUTIONS = runpy.run_path(str(Path(__file__).parents[1] / "notebooks" / "solutions" / "08_pipeline_parallel.py"))
@@ -356,7 +356,7 @@ ONE_F_ONE_B_WRONG = {
 }
 
 
-@pytest.mark.parametrize("nproc", [2, 3])
+@pytest.mark.parametrize("nproc", world_sizes(2, 3))
 def test_one_f_one_b_checker_rejects_each_shortcut(nproc):
     assert_checker(pp.check_one_f_one_b, SOLUTIONS["one_f_one_b"], ONE_F_ONE_B_WRONG, nproc=nproc)
 

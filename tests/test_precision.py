@@ -17,7 +17,7 @@ from course_lib import compare, precision
 from course_lib.exercises import check
 from course_lib.models import MLP
 from tests.rank_programs import precision as rank_programs
-from tests.rank_programs import run
+from tests.rank_programs import run, world_sizes
 
 SOLUTIONS = runpy.run_path(
     str(Path(__file__).resolve().parents[1] / "notebooks" / "solutions" / "04_mixed_precision.py")
@@ -149,7 +149,7 @@ def test_saved_activation_bytes_halve_in_bf16():
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("nproc", [2, 3, 4])
+@pytest.mark.parametrize("nproc", world_sizes(2, 3, 4))
 def test_scaler_equals_gradscaler_on_sharded_ranks(nproc):
     results = run(rank_programs.scalers_on_sharded_ranks, nproc)
     values = {key: [r[key] for r in results] for key in ("scales", "skipped", "params_equal", "policy", "verdicts")}

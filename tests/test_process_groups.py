@@ -11,7 +11,7 @@ import pytest
 
 from course_lib import process_groups
 from course_lib.exercises import check, check_prediction
-from tests.rank_programs import assert_judged, judge, run, run_source
+from tests.rank_programs import assert_judged, judge, run, run_source, world_sizes
 from tests.rank_programs import process_groups as programs
 
 SOLUTIONS = str(Path(__file__).parents[1] / "notebooks" / "solutions" / "00_torchrun_and_process_groups.py")
@@ -151,7 +151,7 @@ def test_solutions_pass_and_wrong_answers_fail_on_3_ranks():
 SOLVED = [("rank_sum", "check_rank_sum"), ("gather_values", "check_gather_values"), ("mean_loss", "check_mean_loss")]
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc", world_sizes(2, 4))
 def test_solutions_pass_at_other_world_sizes(nproc):
     answers = solutions(nproc)
     verdicts = judge([(answers[name], getattr(process_groups, checker)) for name, checker in SOLVED], nproc)

@@ -14,6 +14,7 @@ from course_lib.exercises import check, check_prediction
 from course_lib.launch import launch
 from course_lib.rpc.agent import _is_torch_internal_backend_notice
 from tests.rank_programs import rpc as programs
+from tests.rank_programs import world_sizes
 
 SOLUTIONS = Path(__file__).resolve().parents[1] / "notebooks" / "solutions" / "10_rpc.py"
 QUIET = dict(write=lambda text, stream: None)
@@ -72,7 +73,7 @@ def test_only_torchs_backend_notice_is_recognised():
 # ---- parameter server on 2, 3 and 4 processes ---------------------------------------------
 
 
-@pytest.mark.parametrize("nproc", [2, 3, 4])
+@pytest.mark.parametrize("nproc", world_sizes(2, 3, 4))
 def test_parameter_server_sync_equals_data_parallel_async_converges(nproc):
     result, ranks = run_rpc(programs.parameter_server, nproc, steps=STEPS)
     runs = ranks[0]["runs"]
@@ -126,7 +127,7 @@ def test_error_cases_raise_what_the_notebook_says():
 # ---- distributed autograd ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("nproc", [2, 3])
+@pytest.mark.parametrize("nproc", world_sizes(2, 3))
 def test_distributed_autograd_and_optimizer_match_local_training(nproc):
     # with 2 workers, stages 0 and 2 are both built on worker0 by concurrent RPC threads
     result, ranks = run_rpc(programs.autograd, nproc)
@@ -214,7 +215,7 @@ def join_round_waiting_in_the_thread(rendezvous, value):
     return this_round.wait()  # holds an RPC thread per waiting caller, and returns a list, not the future
 
 
-@pytest.mark.parametrize("nproc", [2, 3])
+@pytest.mark.parametrize("nproc", world_sizes(2, 3))
 def test_reference_solutions_pass(nproc, capsys):
     solved = solutions()
     assert check(solved["add_on_owner"], rpc_lib.check_counter, nproc=nproc, backend="gloo") is True

@@ -8,13 +8,13 @@ import pytest
 from course_lib import tensor_parallel as tp
 from course_lib.exercises import check
 from course_lib.models import TransformerBlock
-from tests.rank_programs import assert_checker, judge, run, run_source
+from tests.rank_programs import assert_checker, judge, run, run_source, world_sizes
 from tests.rank_programs import tensor_parallel as rank_programs
 
 SOLUTIONS = runpy.run_path(str(Path(__file__).parent.parent / "notebooks" / "solutions" / "07_tensor_parallel.py"))
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", world_sizes(2, 3, 4))
 def test_from_scratch_equals_unsharded_and_parallelize_module(n):
     for rank, per_rank in enumerate(run(rank_programs.against_torch, n)):
         for r in per_rank["results"]:
@@ -201,7 +201,7 @@ def chunked_against_plain(rank, world_size):
     }
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", world_sizes(2, 3))
 def test_async_tp_chunks_give_the_gathered_product_and_move_the_gathers_bytes(n):
     for result in run_source(chunked_against_plain, n):
         assert result["equal"]  # same chunks, same matmuls: bit for bit

@@ -14,6 +14,17 @@ from typing import Any
 
 from course_lib.launch import launch
 
+# `make test` runs a multi-rank test at one world size, 3: odd, so rows, shards and rings divide unevenly.
+# The other sizes are marked `sweep`, with the notebooks at other NPROCs, for `make test-ranks`.
+WORLD_SIZE = 3
+
+
+def world_sizes(*sizes: int) -> list:
+    """Parametrize a test over world sizes: WORLD_SIZE runs in `make test`, the others in `make test-ranks`."""
+    import pytest  # here: the ranks import this package for its programs, and need no pytest
+
+    return [n if n == WORLD_SIZE else pytest.param(n, marks=pytest.mark.sweep) for n in sizes]
+
 
 def quiet(text: str, stream: str) -> None:
     """A launcher `write` that drops rank output (the tests look at returned values)."""
