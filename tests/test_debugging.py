@@ -165,7 +165,7 @@ def solutions(nproc=2):
 
 
 @pytest.mark.parametrize("nproc", world_sizes(2, 4))
-def test_exercise_solutions_pass(nproc):
+def test_exercise_solutions_pass_at_other_world_sizes(nproc):
     solved = solutions(nproc)
     cases = [
         (solved["gradients_in_sync"], debugging.check_gradients_in_sync),
