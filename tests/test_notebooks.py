@@ -2,7 +2,8 @@
 
 nbval (``make test``, see the Makefile) separately re-executes the notebooks at their default
 parameters and compares with the stored outputs. The papermill runs at other NPROCs are marked
-`notebook` and run with ``make test-ranks`` (TEST_NPROCS=1,2,4,8 for the full sweep).
+`sweep` and run with ``make test-ranks`` (TEST_NPROCS=1,2,4,8 for the full sweep); so does each notebook's
+setup at NPROC 1-8 on faked GPU counts (tests/test_gpu_counts.py).
 """
 
 from __future__ import annotations
