@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 course: $(STAMP)      ## execute every notebook into build/course/ and print a summary table
 	$(PY) -m course_lib.course.runner --out build/course $(ARGS)
 
-test: $(STAMP)        ## unit tests of course_lib (multi-rank ones on 3 ranks), and nbval: every notebook once, at its defaults
+test: $(STAMP)        ## unit tests of course_lib (one world size each: 3 where a test covers several), and nbval: every notebook once
 	$(PY) -m pytest tests notebooks $(NBVAL) -m "not sweep" --ignore=tests/browser $(XDIST) --dist loadfile $(ARGS)
 
 # The sweeps (tests marked `sweep`): every notebook under papermill at each of NPROCS but its own (nbval runs it
