@@ -26,7 +26,7 @@ from _report import report  # benchmarks/ is the script's directory: on sys.path
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from course_lib import gpt
-from course_lib.gpt.figures import achieved
+from course_lib.gpt.lab import achieved
 from course_lib.launch import launcher
 
 BODY = """

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import functools
 import importlib
+import inspect
 import json
 import re
 import subprocess
@@ -18,12 +19,52 @@ LIBRARY = ROOT / "course_lib"
 NOTEBOOKS = ROOT / "notebooks"
 MODULES = sorted(LIBRARY.rglob("*.py"))
 PACKAGES = sorted(p.parent for p in LIBRARY.glob("*/__init__.py"))
+RUNTIME = {"launch", "session", "course", "exercises"}  # the machinery every lesson runs on, not a lesson
+TECHNIQUES = [p for p in PACKAGES if p.name not in RUNTIME]
 MAX_LINES = 300
+LAB_MAX_LINES = 600
 
 
 def test_every_module_is_short_enough_to_read_in_one_sitting():
-    long = {str(p.relative_to(LIBRARY)): n for p in MODULES if (n := len(p.read_text().splitlines())) > MAX_LINES}
-    assert not long, f"split these by concern (at most {MAX_LINES} lines each): {long}"
+    """An algorithm file reads in one sitting (300 lines); a lab, the harness around it, may run to 600."""
+    cap = {p: LAB_MAX_LINES if p.name == "lab.py" else MAX_LINES for p in MODULES}
+    long = {str(p.relative_to(LIBRARY)): n for p in MODULES if (n := len(p.read_text().splitlines())) > cap[p]}
+    assert not long, f"too long to read in one sitting (lines): {long}; split the algorithm by idea"
+
+
+@functools.cache
+def _shown_modules() -> frozenset[str]:
+    """The modules whose code a notebook puts on the page with `viz.show(name.attribute...)`."""
+    shown = set()
+    for notebook in NOTEBOOKS.glob("*.ipynb"):
+        names: dict[str, str] = {}  # a name a notebook imports from course_lib -> what it is
+        for cell in json.loads(notebook.read_text())["cells"]:
+            code = "\n".join(line for line in "".join(cell["source"]).splitlines() if not line.startswith(("%", "!")))
+            if cell["cell_type"] != "code" or not code.strip():
+                continue
+            for node in ast.walk(ast.parse(code)):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("course_lib"):
+                    names |= {a.asname or a.name: f"{node.module}.{a.name}" for a in node.names}
+                elif isinstance(node, ast.Call) and ast.unparse(node.func) == "viz.show":
+                    root, *attributes = ast.unparse(node.args[0]).split(".")
+                    module, _, name = names[root].rpartition(".")
+                    obj = getattr(importlib.import_module(module), name, None) or importlib.import_module(names[root])
+                    for attribute in attributes:
+                        obj = getattr(obj, attribute)
+                    shown.add(inspect.getmodule(obj).__name__)
+    return frozenset(shown)
+
+
+@pytest.mark.parametrize("package", TECHNIQUES, ids=lambda p: p.name)
+def test_a_technique_package_is_its_algorithm_its_lab_and_its_checkers(package: Path):
+    """Every module but `lab.py` (harness, measurements, figures) and `checkers.py` is the algorithm: a notebook
+    shows its code, or a module it shows imports it."""
+    modules = {_module_name(p): p for p in package.glob("*.py") if p.stem not in ("__init__", "lab", "checkers")}
+    algorithm = set(modules) & _shown_modules()
+    while grown := set().union(*(_imports_at_load(modules[m], set(modules)) for m in algorithm)) - algorithm:
+        algorithm |= grown
+    stray = sorted(set(modules) - algorithm)
+    assert not stray, f"{stray}: no notebook shows them or what they serve; move them into {package.name}/lab.py"
 
 
 def _public_functions(tree: ast.Module):

@@ -1,8 +1,9 @@
 """torchft (notebook 06, sections 11 and 12): replica groups that keep training when one dies; LocalSGD and DiLoCo.
 
-Each replica group is a one-rank torchrun run started by checkpoint.elastic's machinery; the lighthouse runs in this
-process. Every test also checks that no process of its runs is left. The kill-and-heal run itself is asserted in
-notebook 06 (section 11), step by step; its elastic counterpart (a node joins, a node leaves) in section 10.
+Each replica group is a one-rank torchrun run started by the elastic run's machinery (checkpoint/lab.py); the
+lighthouse runs in this process. Every test also checks that no process of its runs is left. The kill-and-heal run
+itself is asserted in notebook 06 (section 11), step by step; its elastic counterpart (a node joins, a node leaves)
+in section 10.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def test_replicas_wait_for_what_the_lighthouse_has_received():
     from torchft.coordination import LighthouseClient
 
     from course_lib.checkpoint.fault_tolerance import wait_at_lighthouse
-    from course_lib.checkpoint.replicas import _lighthouse
+    from course_lib.checkpoint.lab import _lighthouse
 
     server, address = _lighthouse()
     try:

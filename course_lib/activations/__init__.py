@@ -2,25 +2,16 @@
 
 - formulas: Korthikanti et al.'s bytes per layer, term by term; the course block's, derived tensor by tensor
   (with tensor and sequence parallelism); a stack of layers under each recomputation mode
-- inspection: the tensors autograd saved (saved_tensors), the bytes alive at each moment (LiveBytes), FLOPs
 - recompute: checkpointing from scratch with saved-tensor hooks, torch.utils.checkpoint (full and selective)
-- measure: what the ranks measure (bytes per layer, a step under each mode, time), on CPU or GPU
 - oom: a real out-of-memory under a limit (RLIMIT_AS on CPU, a memory fraction on CUDA), its short message per
   device; micro-batched steps
-- ladder: the memory estimate per GPU and the ladder of fixes, each with its cost
-- figures: kernel-side figures and the explorer
+- lab: the tensors autograd saved (saved_tensors), the bytes alive at each moment (LiveBytes), FLOPs; what the
+  ranks measure (bytes per layer, a step under each mode, time); the memory estimate per GPU and the ladder of
+  fixes; the kernel-side figures and the explorer
 - checkers: the exercises' checkers (solutions: notebooks/solutions/05_activation_memory.py)
 """
 
 from course_lib.activations.checkers import check_checkpoint_every, check_evaluate
-from course_lib.activations.figures import (
-    MODELS,
-    draw_explorer,
-    draw_ladder,
-    draw_layer_bytes,
-    draw_recompute,
-    explorer_curves,
-)
 from course_lib.activations.formulas import (
     attention_width,
     course_block_bytes,
@@ -29,17 +20,28 @@ from course_lib.activations.formulas import (
     korthikanti_terms,
     stack_bytes,
 )
-from course_lib.activations.inspection import LiveBytes, matmul_flops, saved_tensors
-from course_lib.activations.ladder import RUNGS, Setup, estimate, ladder
-from course_lib.activations.measure import (
+from course_lib.activations.lab import (
+    MODELS,
+    RUNGS,
+    LiveBytes,
+    Setup,
     attention_backend,
     cuda_memory,
     cuda_memory_report,
     derived_held,
+    draw_explorer,
+    draw_ladder,
+    draw_layer_bytes,
+    draw_recompute,
+    estimate,
+    explorer_curves,
     head_multiple,
+    ladder,
     layer_bytes,
     loss_of,
+    matmul_flops,
     measure_step,
+    saved_tensors,
     stats_bytes,
     step_flops,
     time_steps,

@@ -11,8 +11,7 @@ import torch
 from torch import nn
 
 from course_lib.activations.formulas import course_block_bytes
-from course_lib.activations.inspection import LiveBytes
-from course_lib.activations.measure import loss_of
+from course_lib.activations.lab import LiveBytes, loss_of
 from course_lib.activations.oom import MiB, allocation_scale, attempt, memory_limit, unmap_freed_memory
 from course_lib.activations.recompute import block_stack
 from course_lib.compare import grad_of

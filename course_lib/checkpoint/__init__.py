@@ -11,12 +11,12 @@ Three ways to save an FSDP2-sharded training state, from the simplest to what la
     atomic      every save writes step_N.tmp and renames it to step_N when complete: complete or absent
     integrity   verify (sizes, checksums) and latest_complete: resume from the newest good checkpoint
     train       the shared FSDP2 model and steps, the fault-tolerant loop (train_resumable), save stalls
-    figures     the elastic run's loss curve; who reads which rows at another world size (kernel-only)
-    elastic     two torchrun agents join and leave one c10d rendezvous (run_elastic, kernel side);
-                elastic_train is the rank side: resume at any world size, pause for membership changes
+    elastic_train  the rank side of an elastic run: resume at any world size, pause for membership changes
     fault_tolerance  torchft: replica groups with a lighthouse keep training when one dies (train_replica)
     local_sgd   LocalSGD and DiLoCo against DDP with torchft, the bytes of every all-reduce counted (train_synced)
-    replicas    the kernel side of both: one torchrun run per replica, a lighthouse (run_torchft, compare_sync)
+    lab         the kernel side: two torchrun agents join and leave one c10d rendezvous (run_elastic); one
+                torchrun run per torchft replica and a lighthouse (run_torchft, compare_sync); the elastic
+                run's loss curve, who reads which rows at another world size
     hf          out to Hugging Face safetensors through DCP (one consolidated file) and back into any layout;
                 a seed checkpoint (meta-device model, then load) next to broadcast from rank 0
     checkers    the exercises: verify a checkpoint together (each rank its share); agree on the resume step
@@ -25,10 +25,8 @@ Three ways to save an FSDP2-sharded training state, from the simplest to what la
 from course_lib.checkpoint.atomic import METADATA, CheckpointError
 from course_lib.checkpoint.checkers import check_agreed_resume_step, check_verify_together
 from course_lib.checkpoint.dcp import AppState, AsyncCheckpointer, dcp_load, dcp_save
-from course_lib.checkpoint.elastic import Segment, agent_messages, run_elastic, segments
 from course_lib.checkpoint.elastic_train import train_elastic
 from course_lib.checkpoint.fault_tolerance import reference_losses, step_losses, train_replica
-from course_lib.checkpoint.figures import draw_reads, plot_elastic
 from course_lib.checkpoint.hf import (
     CONSOLIDATED,
     empty_sharded_mlp,
@@ -39,9 +37,18 @@ from course_lib.checkpoint.hf import (
     save_safetensors,
 )
 from course_lib.checkpoint.integrity import files_of, latest_complete, verify
+from course_lib.checkpoint.lab import (
+    Segment,
+    agent_messages,
+    compare_sync,
+    draw_reads,
+    plot_elastic,
+    run_elastic,
+    run_torchft,
+    segments,
+)
 from course_lib.checkpoint.local_sgd import SYNC_RUNS, train_synced
 from course_lib.checkpoint.raw_rows import bytes_read_by_process, row_bytes
-from course_lib.checkpoint.replicas import compare_sync, run_torchft
 from course_lib.checkpoint.sharded import (
     bytes_to_read,
     flat_tensors,

@@ -5,16 +5,15 @@
   :func:`stage_blocks`), and the single-process reference the composed model must equal;
 - :mod:`.planner`: memory, bytes and time per GPU for a (dp, tp, pp) choice on a real cluster, micro-batches and
   FSDP's reshard/defer choices included (kernel-only);
-- :mod:`.traffic`: the planner's prediction of the bytes each rank sends for the notebook's model, against what
-  ``comms.Recorder`` counted;
 - :mod:`.simulate`: layouts of 8 to 64 ranks in one process (torch's fake backend, each rank played in turn):
   every rank's shards and the collectives of a step, against the planner's counts;
-- :mod:`.figures`: what each simulated rank holds, and the planner's explorer (kernel-only);
+- :mod:`.lab`: the planner's prediction of the bytes each rank sends for the notebook's model, against what
+  ``comms.Recorder`` counted; what each simulated rank holds, and the planner's explorer (kernel-only);
 - :mod:`.checkers`: the exercises' checkers (coordinates, deferred gradient sync, agreed micro-batches).
 """
 
 from course_lib.compose.checkers import check_accumulate, check_micro_batches, check_my_coordinates
-from course_lib.compose.figures import draw_plan, plot_held
+from course_lib.compose.lab import compare_traffic, draw_plan, plot_held, predicted_collectives, predicted_traffic
 from course_lib.compose.mesh import DIMS, Dims, new_groups_by_hand, rank_grid
 from course_lib.compose.parallelize import (
     apply_fsdp,
@@ -43,4 +42,3 @@ from course_lib.compose.planner import (
     step_time,
 )
 from course_lib.compose.simulate import Shard, shard_shapes, stage_step, step_collectives
-from course_lib.compose.traffic import compare_traffic, predicted_collectives, predicted_traffic

@@ -6,17 +6,25 @@ ring_attention  block attention, the online-softmax merge, RingAttention (forwar
                 the bytes each rank sent, by kind, from a comms.Recorder (sent_by_kind)
 block           the course's TransformerBlock with ring attention, the gradient sum over the ranks
 cost            bytes per rank per layer, memory per rank, when the ring hides behind compute
-torch_cp        torch.distributed.tensor.experimental.context_parallel: its layout (CPU too), its attention (GPU)
 ulysses         Ulysses: an all-to-all from sequence- to head-sharded, local attention, and back; its bytes
-timing          one layer's forward + backward timed on a group
-figures         kernel-only pictures and the explorer
+lab             one layer's forward + backward timed on a group; torch.distributed.tensor.experimental.context_parallel:
+                its layout (CPU too), its attention (GPU); kernel-only pictures and the explorer
 checkers        the exercise's checker (solution: notebooks/solutions/09_context_and_expert_parallel.py)
 """
 
 from course_lib.context_parallel.block import ContextParallelAttention, ContextParallelBlock, sum_gradients
 from course_lib.context_parallel.checkers import check_ring_forward
 from course_lib.context_parallel.cost import overlap_tokens, ring_bytes, ring_bytes_even, saved_bytes
-from course_lib.context_parallel.figures import LINKS, draw_cp_explorer, draw_layouts, draw_ring_steps, draw_step_times
+from course_lib.context_parallel.lab import (
+    LINKS,
+    draw_cp_explorer,
+    draw_layouts,
+    draw_ring_steps,
+    draw_step_times,
+    time_ring_step,
+    torch_positions,
+    torch_ring_attention,
+)
 from course_lib.context_parallel.layout import (
     LAYOUTS,
     all_positions,
@@ -36,6 +44,4 @@ from course_lib.context_parallel.ring_attention import (
     ring_attention,
     sent_by_kind,
 )
-from course_lib.context_parallel.timing import time_ring_step
-from course_lib.context_parallel.torch_cp import torch_positions, torch_ring_attention
 from course_lib.context_parallel.ulysses import sequence_to_heads, ulysses_attention, ulysses_bytes

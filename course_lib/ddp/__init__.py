@@ -8,7 +8,7 @@
 - comm_hooks: torch DDP's compression hooks (fp16, bf16, PowerSGD), a timing hook and a bucket-recording hook
 - unused: a model with branches a step may not take; collectives counted per step; step times measured in turns
 - uneven: ranks with uneven numbers of batches: Join from scratch for MinimalDDP, and the reference run
-- figures: ring bytes, the bucket/overlap simulator and its explorer, memory per rank
+- lab: ring bytes, the bucket/overlap simulator and its explorer, memory per rank
 - checkers: the exercises' checkers (the solutions are in notebooks/solutions/02_ddp.py)
 """
 
@@ -22,7 +22,7 @@ from course_lib.ddp.comm_hooks import (
     train_with_hook,
 )
 from course_lib.ddp.compiled import compile_then_ddp, compiled_against_eager, graphs_and_buckets, recording_backend
-from course_lib.ddp.figures import (
+from course_lib.ddp.lab import (
     ddp_bytes_per_rank,
     draw_buckets,
     low_precision_mean,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from course_lib.debugging.monitor import StepMonitor
+from course_lib.debugging.lab import StepMonitor
 
 
 def train_monitored(

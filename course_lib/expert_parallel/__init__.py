@@ -4,21 +4,23 @@ The router (router.py) picks the top-k experts of each token, cuts each expert's
 the load-balancing loss. dispatch.py moves the tokens: an all-to-all of the counts, then all_to_all_single with
 uneven splits, as an autograd function (and the same with PyTorch's functional collective); its sent_by_kind reads
 the bytes of each kind from a comms.Recorder. moe.py holds the experts (the course's FeedForward), the MoE on one
-process and ExpertParallelMoE; cost.py the formulas (bytes per all-to-all, the capacity bound, drops, imbalance, a
-perfectly balanced batch); train.py a short training run that records the load; figures.py the kernel-only pictures
-and the explorer; checkers.py the exercise's checker (solution: notebooks/solutions/09_context_and_expert_parallel.py).
+process and ExpertParallelMoE; train.py a short training run that records the load; lab.py the formulas (bytes per
+all-to-all, the capacity bound, drops, imbalance, a perfectly balanced batch), the kernel-only pictures and the
+explorer; checkers.py the exercise's checker (solution: notebooks/solutions/09_context_and_expert_parallel.py).
 """
 
 from course_lib.expert_parallel.checkers import check_dispatch
-from course_lib.expert_parallel.cost import (
+from course_lib.expert_parallel.dispatch import AllToAll, all_to_all, exchange_counts, sent_by_kind, torch_all_to_all
+from course_lib.expert_parallel.lab import (
     all_to_all_bytes_balanced,
     all_to_all_bytes_bound,
     balanced_batch,
+    draw_ep_explorer,
+    draw_load_balance,
+    draw_tokens_per_expert,
     dropped,
     imbalance,
 )
-from course_lib.expert_parallel.dispatch import AllToAll, all_to_all, exchange_counts, sent_by_kind, torch_all_to_all
-from course_lib.expert_parallel.figures import draw_ep_explorer, draw_load_balance, draw_tokens_per_expert
 from course_lib.expert_parallel.moe import ExpertParallelMoE, MoE, make_experts
 from course_lib.expert_parallel.router import TopKRouter, capacity, keep_within_capacity, load_balancing_loss
 from course_lib.expert_parallel.train import token_batch, train_load_balance

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from course_lib import compare
-from course_lib.expert_parallel.cost import imbalance
+from course_lib.expert_parallel.lab import imbalance
 from course_lib.expert_parallel.moe import ExpertParallelMoE
 
 

@@ -8,14 +8,23 @@ train        the training run every layout shares (the counted step, the timed s
 checkpoints  DCP save/load with notebook 06's AppState, and a fingerprint of the whole state
 measure      FLOPs counted, the matmul limit, a GPU's peak, bytes sent (comms.Recorder)
 predict      memory per rank and bytes per step from the course's calculators (memory, compose.plan)
-runs         a %%torchrun cell's run: train and measure; evaluation and samples
-figures      the kernel's table and figures
+lab          a %%torchrun cell's run: train and measure; evaluation and samples; the kernel's table and figures
 checkers     the exercises' checkers (solutions: notebooks/solutions/13_capstone_gpt.py)
 """
 
 from course_lib.gpt.checkers import check_embedding_group, check_rows_on_mesh
 from course_lib.gpt.checkpoints import fingerprint, load, save
-from course_lib.gpt.figures import compiled_against_eager, draw_drift, draw_plan, draw_runs, speed_table
+from course_lib.gpt.lab import (
+    compiled_against_eager,
+    draw_drift,
+    draw_plan,
+    draw_runs,
+    drift_tolerance,
+    evaluate,
+    run_layout,
+    sample_text,
+    speed_table,
+)
 from course_lib.gpt.layouts import (
     Layout,
     apply_compile,
@@ -37,6 +46,5 @@ from course_lib.gpt.model import (
     sample,
 )
 from course_lib.gpt.predict import parameters_before_dp, predicted_memory, predicted_shard_bytes, predicted_traffic
-from course_lib.gpt.runs import drift_tolerance, evaluate, run_layout, sample_text
 from course_lib.gpt.text import ShardedBatches, course_text, entropy_baselines, split, tokens_and_tokenizer
 from course_lib.gpt.train import default_config, loss_share, pipeline_step, plain_step

@@ -5,17 +5,30 @@ interleaved schedule). A batch is cut into *micro-batches*. A *schedule* is, for
 explicit list of actions ``Action("F" or "B", microbatch, stage)`` (schedules.py; zero-bubble schedules add "W",
 the weight gradient of a backward split in two: split_backward.py); :func:`simulate`
 computes its ideal timeline or finds its deadlock without running anything (timeline.py), and
-:func:`execute` runs it with point-to-point send/recv (execution.py). train.py holds one training
-step, ours and torch.distributed.pipelining's, against single-process training; torch_schedules.py torch's
-two-stages-per-rank schedules (zero bubble, DualPipeV, looped BFS) and their action lists as ours; figures.py the
-Gantt chart and the schedule explorer; checkers.py the exercises' checkers
+:func:`execute` runs it with point-to-point send/recv (execution.py). lab.py holds one training
+step, ours and torch.distributed.pipelining's, against single-process training; torch's two-stages-per-rank
+schedules (zero bubble, DualPipeV, looped BFS) and their action lists as ours; the Gantt chart and the schedule
+explorer; checkers.py the exercises' checkers
 (solutions: notebooks/solutions/08_pipeline_parallel.py). The names below are those the notebook, tests and
 benchmark use.
 """
 
 from course_lib.pipeline.checkers import check_one_f_one_b, check_pipeline_step
 from course_lib.pipeline.execution import execute, naive_model_parallel
-from course_lib.pipeline.figures import draw_schedule, plot_timeline
+from course_lib.pipeline.lab import (
+    TORCH_SCHEDULES,
+    draw_schedule,
+    loss_fn,
+    max_gradient_error,
+    pipeline_step,
+    plot_timeline,
+    reference_stage_gradients,
+    stage_gradients,
+    stages_of_rank,
+    torch_pipeline_step,
+    torch_schedule_order,
+    torch_schedule_step,
+)
 from course_lib.pipeline.schedules import (
     SCHEDULES,
     ZERO_BUBBLE,
@@ -32,17 +45,3 @@ from course_lib.pipeline.schedules import (
 from course_lib.pipeline.split_backward import backward_input, backward_weight, recording_layer_outputs
 from course_lib.pipeline.stages import course_model, local_stages, split_into_stages, stage_boundaries
 from course_lib.pipeline.timeline import Deadlock, bubble_fraction, simulate
-from course_lib.pipeline.torch_schedules import (
-    TORCH_SCHEDULES,
-    stages_of_rank,
-    torch_schedule_order,
-    torch_schedule_step,
-)
-from course_lib.pipeline.train import (
-    loss_fn,
-    max_gradient_error,
-    pipeline_step,
-    reference_stage_gradients,
-    stage_gradients,
-    torch_pipeline_step,
-)

@@ -19,6 +19,7 @@ from course_lib.compare import grad_of
 from course_lib.exercises import ExerciseFailed, calls_into
 from course_lib.exercises.calls import DEADLOCK_S, record_calls, run_bounded
 from course_lib.pipeline.execution import execute
+from course_lib.pipeline.lab import loss_fn, reference_stage_gradients
 from course_lib.pipeline.schedules import (
     Action,
     _one_f_one_b_actions,
@@ -30,7 +31,6 @@ from course_lib.pipeline.schedules import (
 )
 from course_lib.pipeline.stages import course_model, split_into_stages
 from course_lib.pipeline.timeline import Deadlock, bubble_fraction, simulate
-from course_lib.pipeline.train import loss_fn, reference_stage_gradients
 
 
 def _as_actions(got: Any, stage: int) -> list[Action]:

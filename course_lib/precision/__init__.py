@@ -5,14 +5,13 @@
 - loss_scaler: DynamicLossScaler (GradScaler from scratch) and the found-inf check across ranks
 - train: one training loop for both scalers; the loss curves per precision mode
 - anti_pattern: MixedPrecisionTrainer, a hand-managed scale next to GradScaler (do not copy)
-- figures: the formats table, (GPU) matmul throughput, the storage explorer
+- lab: the formats table, (GPU) matmul throughput, the storage explorer
 - float8: e4m3/e5m2, scaled casts from scratch, which Linears go float8, FSDP2 with the float8 all-gather, speed
 - checkers: the exercise checkers (found-inf across ranks, a GradScaler step with clipping)
 """
 
 from course_lib.precision.anti_pattern import MixedPrecisionTrainer
 from course_lib.precision.checkers import check_clipped_scaler_step, check_found_inf
-from course_lib.precision.figures import draw_storage, finfo_table, matmul_tflops
 from course_lib.precision.float8 import (
     cast_error,
     float8_filter,
@@ -25,6 +24,7 @@ from course_lib.precision.float8 import (
     why_high_precision,
 )
 from course_lib.precision.inspection import inspect_fsdp2_mixed_precision, record_op_dtypes
+from course_lib.precision.lab import draw_storage, finfo_table, matmul_tflops
 from course_lib.precision.loss_scaler import DynamicLossScaler, found_inf_across_ranks
 from course_lib.precision.number_formats import (
     DTYPE_NAMES,

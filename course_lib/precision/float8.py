@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib.precision.figures import finfo_table
+from course_lib.precision.lab import finfo_table
 from course_lib.precision.number_formats import FLOAT8_DTYPES, FLOAT_DTYPES
 
 # ---- torchao's load-time log lines ----------------------------------------------------------------------------------

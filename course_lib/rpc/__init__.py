@@ -5,8 +5,8 @@
 - :mod:`.train`: the model, data and data-parallel reference the parameter servers are compared with;
 - :mod:`.parameter_server`: the batching (sync) and lock-per-update (async) servers and their driver;
 - :mod:`.distributed_autograd`: a forward across three workers, backward and step on every owner;
-- :mod:`.latency`: round trips timed on a worker, the alpha-beta fit;
-- :mod:`.figures`: the servers' loss curves against the reference (kernel-only);
+- :mod:`.lab`: round trips timed on a worker, the alpha-beta fit; the servers' loss curves against the reference
+  (kernel-only);
 - :mod:`.checkers`: the exercises' checkers (a counter behind an RRef; a rendezvous on its owner).
 - :mod:`.monarch_actors`: section 9, a single controller with Monarch (imported on its own: it loads monarch).
 """
@@ -14,8 +14,7 @@
 from course_lib.rpc.agent import start
 from course_lib.rpc.checkers import Counter, Rendezvous, check_counter, check_join_round
 from course_lib.rpc.distributed_autograd import distributed_training_step, local_training_step, three_stage_model
-from course_lib.rpc.figures import draw_loss_curves
-from course_lib.rpc.latency import fit_latency_model, rpc_latency
+from course_lib.rpc.lab import draw_loss_curves, fit_latency_model, rpc_latency
 from course_lib.rpc.parameter_server import (
     BatchingParameterServer,
     LockingParameterServer,

@@ -1,5 +1,4 @@
-"""The tables and figures of notebook 04: the formats' range and precision, (GPU only) matmul throughput, and the
-explorer of how a number is stored and which scaled gradients fp16 keeps."""
+"""Notebook 04's lab: the formats' table, (GPU only) matmul throughput, and the storage explorer."""
 
 from __future__ import annotations
 
@@ -16,6 +15,9 @@ from course_lib.precision.number_formats import (
     smallest_subnormal,
     stored_value,
 )
+
+# The tables and figures of notebook 04: the formats' range and precision, (GPU only) matmul throughput, and the
+# explorer of how a number is stored and which scaled gradients fp16 keeps.
 
 
 def finfo_table(dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> list[dict]:

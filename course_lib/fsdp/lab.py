@@ -1,5 +1,4 @@
-"""Notebook 03's training run: one fixed data set, the notebook's MLP, and the course's training loop over them,
-which one process (the reference, whole global batches) and every rank (its rows of each batch) run alike."""
+"""Notebook 03's lab: the notebook's model, data and training run, for one process and for every rank."""
 
 from __future__ import annotations
 
@@ -11,6 +10,9 @@ from torch.utils.data import TensorDataset
 
 from course_lib import training
 from course_lib.data import regression
+
+# Notebook 03's training run: one fixed data set, the notebook's MLP, and the course's training loop over them,
+# which one process (the reference, whole global batches) and every rank (its rows of each batch) run alike.
 
 
 def dataset() -> TensorDataset:

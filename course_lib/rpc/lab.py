@@ -1,13 +1,16 @@
-"""What one RPC costs: round trips timed on a worker, and the alpha-beta model fitted to them."""
+"""Notebook 10's lab: round trips timed and the alpha-beta fit; the servers' loss curves (kernel-only)."""
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 import torch.distributed.rpc as rpc
 
 from course_lib.rpc.remote_functions import echo
+
+# What one RPC costs: round trips timed on a worker, and the alpha-beta model fitted to them.
 
 
 def rpc_latency(peer: str, sizes_bytes: list[int], repeats: int = 7, warmup: int = 3) -> dict[int, float]:
@@ -39,3 +42,25 @@ def fit_latency_model(latency: dict[int, float]) -> tuple[float, float]:
     largest = sizes[-1]
     beta = max(latency[largest] - alpha, 1e-12) / (2.0 * largest)
     return alpha, beta
+
+
+# Kernel side (figures only): the parameter servers' loss curves against the data-parallel reference.
+
+
+def draw_loss_curves(
+    n_trainers: int, mode: str, *, runs: dict[tuple[str, int], dict[str, Any]], references: dict[int, list[float]]
+) -> None:
+    """The loss of each trainer step of the sync and/or async server (`mode`: "sync", "async" or "both") with
+    `n_trainers`, over the data-parallel reference (which the sync server equals)."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3))
+    for m in ("sync", "async") if mode == "both" else (mode,):
+        ax.plot(runs[m, n_trainers]["losses"], linestyle="-" if m == "sync" else "--", label=m)
+    ax.plot(references[n_trainers], ":", color="black", label="data-parallel reference (= sync)")
+    ax.set_xlabel("trainer step")
+    ax.set_ylabel("loss")
+    ax.set_ylim(0, 0.5)
+    ax.set_title(f"{n_trainers} trainer(s)")
+    ax.legend(fontsize=8)
+    plt.show()

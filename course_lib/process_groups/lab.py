@@ -1,6 +1,8 @@
-"""Kernel side (figures only): the global rank of every process of a multi-node job."""
+"""Notebook 00's lab, kernel side: the global rank of every process of a multi-node job."""
 
 from __future__ import annotations
+
+# Kernel side (figures only): the global rank of every process of a multi-node job.
 
 
 def draw_rank_grid(nnodes: int, nproc_per_node: int) -> None:

@@ -1,13 +1,98 @@
-"""Context parallelism, kernel side only: who computes which (query, key) pair, the ring's steps, the explorer."""
+"""Notebook 09's lab, part 1: ring attention timed on a group, torch's own context parallelism, and the
+kernel-side figures and explorer.
+"""
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Mapping, Sequence
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
 
 from course_lib.context_parallel.cost import overlap_tokens, ring_bytes_even, saved_bytes
-from course_lib.context_parallel.layout import LAYOUTS, all_positions, causal_work
+from course_lib.context_parallel.layout import LAYOUTS, all_positions, causal_work, shard_sequence
+from course_lib.context_parallel.ring_attention import ring_attention
+from course_lib.launch.runtime import synchronize
+
+# Time one attention layer's forward and backward with ring attention, on the ranks of a group.
+
+
+def time_ring_step(
+    layout: str,
+    seq_len: int,
+    group: dist.ProcessGroup | None = None,
+    *,
+    batch: int = 1,
+    heads: int = 4,
+    head_dim: int = 32,
+    repeats: int = 3,
+    device: torch.device | str = "cpu",
+) -> float:
+    """Median seconds of forward + backward of causal ring attention over `seq_len` tokens, slowest rank.
+
+    Every rank of `group` must call it. The first run warms up and is not timed.
+    """
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    held = all_positions(layout, seq_len, n)
+    torch.manual_seed(0)
+    q, k, v = (shard_sequence(torch.randn(batch, heads, seq_len, head_dim), held[r], 2).to(device) for _ in range(3))
+    times = []
+    for _ in range(repeats + 1):
+        q_, k_, v_ = (t.clone().requires_grad_() for t in (q, k, v))
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        ring_attention(q_, k_, v_, held, group=group).sum().backward()
+        synchronize(q_.device)
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=q.device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)  # a step ends when its slowest rank ends
+        times.append(float(elapsed))
+    return statistics.median(times[1:])
+
+
+# torch's own context parallelism: `torch.distributed.tensor.experimental.context_parallel`.
+#
+# Inside the context, the `buffers` are cut along the sequence (with its head-tail load balancer: the zig-zag
+# layout, when 2N divides the length) and F.scaled_dot_product_attention runs as ring attention. The ring
+# replaces SDPA's GPU kernels (flash, memory-efficient, cuDNN attention): on the CPU, SDPA's kernel
+# (aten._scaled_dot_product_flash_attention_for_cpu) has no DTensor sharding rule, so only the sharding runs
+# there. By default torch all-gathers the K/V blocks; set_rotate_method("alltoall") passes them around.
+
+
+def torch_positions(seq_len: int, mesh: DeviceMesh) -> torch.Tensor:
+    """The token positions context_parallel gives this rank of `mesh` (runs on the CPU too)."""
+    from torch.distributed.tensor.experimental import context_parallel
+
+    buffer = torch.arange(seq_len, dtype=torch.float32, device=mesh.device_type).view(1, 1, seq_len, 1)
+    with context_parallel(mesh, buffers=[buffer], buffer_seq_dims=[2], no_restore_buffers={buffer}):
+        pass  # entering shards the buffer in place
+    return buffer.flatten().long().cpu()
+
+
+def torch_ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, mesh: DeviceMesh
+) -> list[torch.Tensor]:
+    """Causal attention of whole q, k, v (the same on every rank) under context_parallel, backward with dout.
+
+    Returns [output, dq, dk, dv], put back whole and in sequence order (context_parallel_unshard).
+    Needs a GPU attention kernel: on the CPU the attention call raises NotImplementedError.
+    """
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+
+    buffers = [t.detach().clone() for t in (q, k, v, dout)]
+    with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2] * 4, no_restore_buffers=set(buffers)):
+        mine = [b.requires_grad_() for b in buffers[:3]]
+        out = F.scaled_dot_product_attention(mine[0], mine[1], mine[2], is_causal=True)
+        out.backward(buffers[3])
+    local = [out.detach()] + [t.grad for t in mine if t.grad is not None]
+    return context_parallel_unshard(mesh, local, [2] * len(local))
+
+
+# Context parallelism, kernel side only: who computes which (query, key) pair, the ring's steps, the explorer.
 
 LINKS = {"NVLink (H100, 450 GB/s)": 450e9, "InfiniBand (50 GB/s)": 50e9, "Ethernet (12.5 GB/s)": 12.5e9}
 

@@ -1,5 +1,6 @@
-"""Kernel-side arithmetic behind notebook 02's figures and tables: the bucket simulator, memory,
-and what dividing by N before the sum does in low precision."""
+"""Notebook 02's lab, kernel side: ring bytes, the bucket simulator and its explorer, memory per rank, and
+what dividing by N before the sum does in low precision.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import torch
 from course_lib.comms import sent_per_rank
 from course_lib.ddp.minimal_ddp import MB
 from course_lib.memory import zero_bytes_per_gpu
+
+# Kernel-side arithmetic behind notebook 02's figures and tables: the bucket simulator, memory,
+# and what dividing by N before the sum does in low precision.
 
 
 def low_precision_mean(grads: list[torch.Tensor], divide_first: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -1,8 +1,10 @@
-"""Kernel side (figures only): which slice of each of the course block's weights lives on which rank."""
+"""Notebook 07's lab, kernel side: which slice of each weight lives on which rank."""
 
 from __future__ import annotations
 
 from course_lib.models import BLOCK
+
+# Kernel side (figures only): which slice of each of the course block's weights lives on which rank.
 
 # (rows, columns, the dimension split over the ranks) of W in y = x Wᵀ + b
 LAYERS = {

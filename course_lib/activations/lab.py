@@ -1,0 +1,466 @@
+"""Notebook 05's lab: what autograd saved and the bytes alive (inspection), what the ranks measure, the
+estimate per GPU and the ladder of fixes, and the kernel-side figures and explorer.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from course_lib.activations.formulas import course_block_bytes, korthikanti_bytes, selective_block_bytes, stack_bytes
+from course_lib.compare import full_gradients, local_tensor, saved_activation_bytes
+from course_lib.launch.runtime import seconds_in_turns
+from course_lib.memory import GB, zero_bytes_per_gpu
+from course_lib.models import BLOCK
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+
+# Looking at activation memory on any device: the tensors autograd saved, and the bytes alive at each moment.
+#
+# - `saved_tensors`: walk the autograd graph from an output and list every tensor its nodes saved (which op,
+#   shape, dtype, bytes), each storage once: what `compare.saved_activation_bytes` counts, named.
+# - `LiveBytes`: a dispatch mode that records every tensor an op creates and, after each op, how many of their
+#   bytes are still alive: the bytes held at any moment and their peak, on the CPU as on a GPU, and whatever keeps
+#   a tensor alive (autograd's saved tensors, a checkpoint's inputs, selective checkpointing's cache).
+# - `matmul_flops`: the FLOPs of the matmuls a function runs, forward and backward (torch's FlopCounterMode).
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    """The storage's identity (its StorageImpl), shared by every view; unlike data_ptr, not reused while we hold
+    a weak reference to it, and distinct for two storages resized to 0 bytes."""
+    return local_tensor(t).untyped_storage()._cdata
+
+
+def saved_tensors(output: torch.Tensor, parameters: Iterable[torch.Tensor] = ()) -> list[dict[str, Any]]:
+    """Every tensor saved by the graph behind `output`, parameters left out, each storage once.
+
+    Rows: node (the backward op, e.g. NativeLayerNormBackward0), name (what it saved), shape, dtype, bytes (of the
+    whole storage: a view counts what it keeps alive). A storage saved by several nodes is listed at the first
+    one met, walking back from the output.
+    """
+    skip = {_storage_key(p) for p in parameters}
+    rows: list[dict[str, Any]] = []
+    stack, visited = [output.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in visited:
+            continue
+        visited.add(node)
+        for name in sorted(n for n in dir(node) if n.startswith("_saved_")):
+            values = getattr(node, name)
+            for t in values if isinstance(values, (tuple, list)) else [values]:
+                if not isinstance(t, torch.Tensor) or _storage_key(t) in skip:
+                    continue
+                skip.add(_storage_key(t))
+                local = local_tensor(t)
+                rows.append(
+                    {
+                        "node": type(node).__name__,
+                        "name": name.removeprefix("_saved_"),
+                        "shape": tuple(local.shape),
+                        "dtype": DTYPE_NAMES.get(local.dtype, str(local.dtype)),
+                        "bytes": local.untyped_storage().nbytes(),
+                    }
+                )
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return rows
+
+
+def _current_nbytes(ref: StorageWeakRef, recorded: int) -> int:
+    """A live storage's size now: FSDP2 frees an unsharded parameter by resizing its storage to 0 bytes."""
+    try:
+        return torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+    except RuntimeError:  # a storage kind that cannot be looked at this way: its size when it was made
+        return recorded
+
+
+class LiveBytes(TorchDispatchMode):
+    """Within `with LiveBytes() as live:`, the bytes of the tensors created since it began that are still alive.
+
+    `live.now()` at any point; `live.peak` the largest value seen after any op; `live.mark(name)` records now()
+    under a name (e.g. "after forward"). Storage is counted once however many views share it. Tensors made before
+    the mode began (parameters, the input batch) are not counted, nor are a kernel's internal buffers.
+    `live.now(communication=False)` leaves out the buffers a collective wrote into (FSDP's all-gather output):
+    gloo's worker thread drops its reference to them a moment after the collective returns, so whether they are
+    still alive right after one depends on scheduling, not on the program.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tensors: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.communication: set[int] = set()  # storages handed to a c10d collective
+        self.peak = 0
+        self.marks: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = {_storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        if func.namespace == "c10d":
+            self.communication |= inputs
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and _storage_key(t) not in inputs:  # not a view or an in-place result
+                storage = local_tensor(t).untyped_storage()
+                if storage._cdata not in self.tensors:
+                    self.tensors[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+        self.peak = max(self.peak, self.now())
+        return out
+
+    def now(self, communication: bool = True) -> int:
+        """Bytes of the recorded tensors still alive (forgetting those that died), collectives' buffers included
+        unless `communication=False`."""
+        self.tensors = {k: v for k, v in self.tensors.items() if not v[0].expired()}
+        self.communication &= self.tensors.keys()  # a dead storage's key may be reused by a new one
+        kept = self.tensors if communication else {k: v for k, v in self.tensors.items() if k not in self.communication}
+        return sum(_current_nbytes(ref, n) for ref, n in kept.values())
+
+    def mark(self, name: str) -> int:
+        self.marks[name] = self.now()
+        return self.marks[name]
+
+
+def matmul_flops(fn: Callable[[], Any]) -> int:
+    """FLOPs of the matmuls (linear layers, bmm, attention where torch has a formula) that fn() runs."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return int(counter.get_total_flops())
+
+
+# What the notebook measures on each rank: bytes saved per layer, and what recomputation saves and costs.
+#
+# Everything runs on `device` (the CPU with gloo, the rank's GPU with nccl). Bytes are counted from the tensors
+# (`compare.saved_activation_bytes`, `LiveBytes`) and FLOPs from the ops (`matmul_flops`),
+# so both are the same under any load; time is measured too, and only compared as ratios within one run.
+
+
+def attention_backend(attention: str) -> Any:
+    """A context that makes scaled_dot_product_attention use the fused ("flash") or the "math" kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.FLASH_ATTENTION if attention == "flash" else SDPBackend.MATH)
+
+
+def element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def stats_bytes(dtype: torch.dtype, device: torch.device) -> int:
+    """Bytes of LayerNorm's saved mean and 1/σ: fp32 on CUDA for 16-bit inputs, the input's dtype on the CPU."""
+    return 4 if device.type == "cuda" else element_size(dtype)
+
+
+def head_multiple(device: torch.device) -> int:
+    """CUDA's fused attention pads each head to a multiple of 8 values; the CPU's does not."""
+    return 8 if device.type == "cuda" else 1
+
+
+def layer_bytes(
+    s: int, b: int, *, attention: str = "flash", dtype: torch.dtype = torch.bfloat16, device: torch.device | None = None
+) -> dict[str, Any]:
+    """One TransformerBlock at (s, b): bytes saved for backward, measured by saved-tensor hooks, and derived."""
+    from course_lib.models import TransformerBlock
+
+    device = device or torch.device("cpu")
+    block = TransformerBlock().to(device, dtype)
+    x = torch.randn(b, s, BLOCK.d_model, device=device, dtype=dtype, requires_grad=True)
+    with attention_backend(attention):
+        measured = saved_activation_bytes(block, x)
+    derived = course_block_bytes(
+        s,
+        b,
+        element_bytes=element_size(dtype),
+        stats_bytes=stats_bytes(dtype, device),
+        attention=attention,
+        head_multiple=head_multiple(device),
+    )
+    return {"s": s, "b": b, "measured": measured, "derived": derived}
+
+
+def derived_held(mode: str, layers: int, s: int, b: int, dtype: torch.dtype, device: torch.device) -> float:
+    """Bytes `layers` blocks hold after the forward under `mode` (formulas.stack_bytes, flash attention)."""
+    e, multiple = element_size(dtype), head_multiple(device)
+    per_layer = course_block_bytes(
+        s, b, element_bytes=e, stats_bytes=stats_bytes(dtype, device), head_multiple=multiple
+    )
+    selective = selective_block_bytes(s, b, element_bytes=e, head_multiple=multiple)
+    kept = "full" if mode == "from scratch" else mode
+    return stack_bytes(per_layer, layers, e * s * b * BLOCK.d_model, kept, selective)["held"]
+
+
+def loss_of(output: torch.Tensor) -> torch.Tensor:
+    return output.float().square().mean()
+
+
+def measure_step(model: nn.Module, x: torch.Tensor) -> dict[str, Any]:
+    """One forward and backward of model(x): the bytes held after the forward for backward and at the peak
+    (LiveBytes), and the gradients (whole: a collective under FSDP). The model's gradients are cleared before
+    and after."""
+    model.zero_grad(set_to_none=True)
+    with attention_backend("flash"), LiveBytes() as live:
+        out = model(x)
+        held = live.now(communication=False)  # FSDP's last all-gather buffer is not kept for backward
+        loss_of(out).backward()
+    gradients = list(full_gradients(model).values())
+    model.zero_grad(set_to_none=True)
+    return {"held": held, "peak": live.peak, "gradients": gradients}
+
+
+def step_flops(model: nn.Module, x: torch.Tensor) -> dict[str, int]:
+    """Matmul FLOPs of a forward of model(x), and of a whole step (forward, recomputation, backward)."""
+    with attention_backend("flash"):
+        forward = matmul_flops(lambda: model(x))
+        step = matmul_flops(lambda: loss_of(model(x)).backward())
+    model.zero_grad(set_to_none=True)
+    return {"forward flops": forward, "step flops": step}
+
+
+def time_steps(models: dict[str, nn.Module], x: torch.Tensor, reps: int = 5) -> dict[str, float]:
+    """Median seconds of one forward and backward per model, the models taking turns (load hits them alike)."""
+
+    def step(model: nn.Module) -> None:
+        with attention_backend("flash"):
+            loss_of(model(x)).backward()
+
+    steps: dict[str, Callable[[], object]] = {name: functools.partial(step, model) for name, model in models.items()}
+    return seconds_in_turns(steps, repeats=reps, warmup=1, statistic=statistics.median)
+
+
+def cuda_memory(fn: Callable[[], Any], device: torch.device) -> dict[str, int]:
+    """torch.cuda's allocator view of fn(): bytes allocated at its peak and when it ends, above those before."""
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return {
+        "peak": torch.cuda.max_memory_allocated(device) - before,
+        "end": torch.cuda.memory_allocated(device) - before,
+    }
+
+
+def cuda_memory_report(step: Callable[[], Any], device: torch.device, snapshot_path: str) -> dict[str, Any]:
+    """On a GPU, the allocator's own record of step(): its peak (`cuda_memory`), `torch.cuda.memory_summary`, and
+    a snapshot of every allocation with its stack (`_record_memory_history`), written to snapshot_path for
+    https://pytorch.org/memory_viz. Expandable segments (PYTORCH_ALLOC_CONF=expandable_segments:True, set here
+    at run time) let a segment grow in place instead of leaving fragments that a later allocation cannot use."""
+    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    try:
+        usage = cuda_memory(step, device)
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._dump_snapshot(snapshot_path)
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    events = sum(len(trace) for trace in snapshot["device_traces"])
+    summary = torch.cuda.memory_summary(device, abbreviated=True)
+    return {**usage, "events": events, "segments": len(snapshot["segments"]), "summary": summary}
+
+
+# The out-of-memory procedure's first and last steps: estimate bytes per GPU, then climb the ladder of fixes.
+#
+# estimate = parameters + gradients + optimizer state (`memory.zero_bytes_per_gpu`, ZeRO's model)
+#          + activations (`formulas.course_block_terms` per layer, times the layers, under a recomputation mode).
+#
+# Each rung keeps the previous ones and changes one thing, cheapest first; its cost is what it trades for memory.
+
+
+@dataclass(frozen=True)
+class Setup:
+    """A GPT-like stack of course TransformerBlocks (d_ff = 4h), trained with bf16 mixed precision and Adam."""
+
+    hidden: int = 4096
+    heads: int = 32
+    layers: int = 32
+    seq: int = 4096
+    micro_batch: int = 4
+    gpus: int = 8
+    recompute: str = "none"  # none | selective | full
+    zero_stage: int = 0
+    offload_optimizer: bool = False
+    tensor_parallel: int = 1  # with sequence parallelism
+
+    @property
+    def parameters(self) -> float:
+        return 12 * self.hidden**2 * self.layers  # attention 4h² + feed-forward 8h² per layer
+
+
+def estimate(setup: Setup, element_bytes: int = 2, stats_bytes: int = 4) -> dict[str, float]:
+    """Bytes per GPU: parameters, gradients, optimizer state (ZeRO stage over the data-parallel GPUs) and activations.
+
+    Tensor parallelism divides the model states by t before ZeRO shards them over gpus / t data-parallel ranks.
+    Activations are the peak of `formulas.stack_bytes`: 16-bit, flash attention, fp32 LayerNorm statistics (CUDA).
+    """
+    t = setup.tensor_parallel
+    states = zero_bytes_per_gpu(setup.parameters / t, setup.gpus // t, setup.zero_stage)
+    if setup.offload_optimizer:
+        states["optimizer"] = 0.0  # lives in CPU memory; the CPU runs the Adam step
+    s, b, h = setup.seq, setup.micro_batch, setup.hidden
+    shape: dict[str, Any] = {"h": h, "a": setup.heads, "d_ff": 4 * h, "element_bytes": element_bytes}
+    per_layer = course_block_bytes(s, b, **shape, stats_bytes=stats_bytes, t=t, sequence_parallel=True)
+    block_input = element_bytes * s * b * h / t
+    selective = selective_block_bytes(s, b, h, setup.heads, 4 * h, element_bytes=element_bytes) / t
+    activations = stack_bytes(per_layer, setup.layers, block_input, setup.recompute, selective)["peak"]
+    out = {
+        "params": states["params"],
+        "grads": states["grads"],
+        "optimizer": states["optimizer"],
+        "activations": activations,
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+RUNGS: list[tuple[str, dict[str, Any], str]] = [
+    (
+        "smaller micro-batch (4 -> 1)",
+        {"micro_batch": 1},
+        "4x the accumulation steps; smaller matmuls run less efficiently",
+    ),
+    ("full recomputation", {"recompute": "full"}, "one more forward per step: about +33% compute"),
+    ("ZeRO-3 / FSDP over the GPUs", {"zero_stage": 3}, "all-gathers every layer's weights twice: 1.5x DDP's traffic"),
+    ("offload the optimizer state", {"offload_optimizer": True}, "states cross PCIe every step; the CPU runs Adam"),
+    ("tensor + sequence parallel (t = 8)", {"tensor_parallel": 8}, "collectives inside every layer: NVLink only"),
+]
+
+
+def ladder(setup: Setup, gpu_bytes: float = 80 * GB) -> list[dict[str, Any]]:
+    """The baseline, then each rung of RUNGS applied on top of the previous ones: bytes per GPU, fits, cost."""
+    rows: list[dict[str, Any]] = [{"rung": "baseline (DDP)", "setup": setup, **estimate(setup), "cost": "-"}]
+    for name, change, cost in RUNGS:
+        setup = replace(setup, **change)
+        rows.append({"rung": name, "setup": setup, **estimate(setup), "cost": cost})
+    for row in rows:
+        row["fits"] = row["total"] <= gpu_bytes
+    return rows
+
+
+# Kernel-side figures of notebook 05: bytes per layer against the formulas, what recomputation trades, the
+# explorer, and the ladder of fixes. matplotlib is imported inside each function (ranks never draw).
+
+MODELS = {  # name: (hidden, heads): d_ff = 4 * hidden, as in the course's block
+    f"course block (h={BLOCK.d_model})": (BLOCK.d_model, BLOCK.n_heads),
+    "GPT-3 XL-like (h=2048)": (2048, 16),
+    "7B-like (h=4096)": (4096, 32),
+    "GPT-3 175B-like (h=12288)": (12288, 96),
+}
+
+
+COLORS = {"none": "tab:red", "selective": "tab:orange", "full": "tab:green", "from scratch": "tab:olive"}
+
+
+def draw_layer_bytes(rows: list[dict[str, Any]], b: int, ax: Axes | None = None) -> Axes:
+    """Bytes one block saves, measured on the ranks (points) and derived (lines), against the sequence length."""
+    import matplotlib.pyplot as plt
+
+    ax = ax or plt.gca()
+    s_max = max(r["s"] for r in rows)
+    grid = list(range(8, s_max + 9, 8))
+    lines = {
+        "course block, flash (derived)": [course_block_bytes(s, b) for s in grid],
+        "course block, math (derived)": [course_block_bytes(s, b, attention="math") for s in grid],
+        "Korthikanti s·b·h·(34 + 5as/h)": [korthikanti_bytes(s, b, BLOCK.d_model, BLOCK.n_heads) for s in grid],
+    }
+    for (name, values), style in zip(lines.items(), ("-", "-", "--")):
+        ax.plot(grid, [v / 1e3 for v in values], style, label=name)
+    for attention, marker in (("flash", "o"), ("math", "s")):
+        ax.plot([r["s"] for r in rows], [r[attention] / 1e3 for r in rows], marker, color="black", ms=6, mfc="none")
+    ax.plot([], [], "o", color="black", mfc="none", label="measured on the ranks (hooks)")
+    ax.set(xlabel="sequence length s", ylabel="kB saved per layer", title=f"one TransformerBlock, bf16, b={b}")
+    ax.legend(fontsize=8)
+    return ax
+
+
+def draw_recompute(results: dict[str, dict[str, float]], axes: Any = None) -> Any:
+    """Left: bytes held after the forward and at the peak, per mode. Right: matmul FLOPs and time, per mode."""
+    import matplotlib.pyplot as plt
+
+    if axes is None:
+        _, axes = plt.subplots(1, 2, figsize=(11, 3.2))
+    left, right = axes
+    modes = list(results)
+    x = range(len(modes))
+    left.bar([i - 0.2 for i in x], [results[m]["held"] / 1e6 for m in modes], 0.4, label="held after forward")
+    left.bar([i + 0.2 for i in x], [results[m]["peak"] / 1e6 for m in modes], 0.4, label="peak in backward")
+    left.set_xticks(list(x), modes)
+    left.set(ylabel="MB (activations and gradients)", title="memory")
+    left.legend(fontsize=8)
+    right.bar([i - 0.2 for i in x], [results[m]["flops ratio"] for m in modes], 0.4, label="matmul FLOPs (counted)")
+    right.bar([i + 0.2 for i in x], [results[m]["time ratio"] for m in modes], 0.4, label="time (measured)")
+    right.axhline(1.0, color="black", lw=0.8)
+    right.set_xticks(list(x), modes)
+    right.set(ylabel="x the step without recomputation", title="compute")
+    right.legend(fontsize=8)
+    return axes
+
+
+def explorer_curves(seq: int, batch: int, layers: int, model: str, points: int = 48) -> dict[str, Any]:
+    """GB of activations of `layers` blocks of `model` (bf16, flash attention) for s up to 2·seq, per mode; and
+    of the paper's layer without recomputation ("paper")."""
+    hidden, heads = MODELS[model]
+    grid = [max(1, round(2 * seq * (i + 1) / points)) for i in range(points)]
+    curves: dict[str, list[float]] = {mode: [] for mode in ("none", "selective", "full", "paper")}
+    for s in grid:
+        curves["paper"].append(layers * korthikanti_bytes(s, batch, hidden, heads) / 1e9)
+        per_layer = course_block_bytes(s, batch, hidden, heads, 4 * hidden, stats_bytes=4)
+        selective = selective_block_bytes(s, batch, hidden, heads, 4 * hidden)
+        for mode in ("none", "selective", "full"):
+            peak = stack_bytes(per_layer, layers, 2 * s * batch * hidden, mode, selective)["peak"]
+            curves[mode].append(peak / 1e9)
+    return {"s": grid, **curves}
+
+
+def draw_explorer(seq: int = 4096, batch: int = 1, layers: int = 32, model: str = "7B-like (h=4096)") -> None:
+    """Activation memory against sequence length, with and without recomputation; the chosen s marked."""
+    import matplotlib.pyplot as plt
+
+    curves = explorer_curves(seq, batch, layers, model)
+    fig, ax = plt.subplots(figsize=(7.5, 3.4))
+    chosen = {}
+    for mode in ("none", "selective", "full"):
+        ax.plot(curves["s"], curves[mode], color=COLORS[mode], label=f"recompute: {mode}")
+        chosen[mode] = curves[mode][len(curves["s"]) // 2 - 1]  # the grid's middle point is s = seq
+        ax.plot([seq], [chosen[mode]], "o", color=COLORS[mode])
+    ax.plot(curves["s"], curves["paper"], "--", color=COLORS["none"], label="paper's layer, no recomputation")
+    ax.axhline(80, color="black", ls=":", label="80 GB GPU")
+    ax.set_ylim(0, 1.15 * max(80.0, max(curves["none"])))
+    ax.set(xlabel="sequence length s", ylabel="GB of activations (peak)")
+    ax.set_title(
+        f"{model}, {layers} layers, micro-batch {batch}, s={seq}: "
+        + ", ".join(f"{m} {v:.1f} GB" for m, v in chosen.items()),
+        fontsize=9,
+    )
+    ax.legend(fontsize=8)
+    plt.show()
+
+
+def draw_ladder(rows: list[dict[str, Any]], gpu_gb: float = 80, ax: Axes | None = None) -> Axes:
+    """Stacked bars of GB per GPU for each rung of the ladder, with the GPU's memory as a line."""
+    import matplotlib.pyplot as plt
+
+    ax = ax or plt.gca()
+    bottoms = [0.0] * len(rows)
+    parts = {"params": "tab:blue", "grads": "tab:orange", "optimizer": "tab:green", "activations": "tab:red"}
+    for part, color in parts.items():
+        values = [row[part] / 1e9 for row in rows]
+        ax.barh(range(len(rows)), values, left=bottoms, color=color, label=part)
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    ax.axvline(gpu_gb, color="black", ls=":", label=f"{gpu_gb:g} GB GPU")
+    ax.set_yticks(range(len(rows)), [row["rung"] for row in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set(xlabel="GB per GPU")
+    ax.legend(fontsize=8, loc="lower right")
+    return ax

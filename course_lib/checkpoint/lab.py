@@ -1,0 +1,488 @@
+"""Notebook 06's lab, kernel side: the elastic run (two torchrun agents on one rendezvous), the torchft replica
+runs, and the figures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from course_lib.checkpoint.elastic_train import EVENTS
+from course_lib.checkpoint.fault_tolerance import LIGHTHOUSE, QUIET
+from course_lib.checkpoint.local_sgd import SYNC_RUNS
+from course_lib.checkpoint.sharded import read_plan, shard_rows
+from course_lib.launch import processes
+from course_lib.launch.spec import RunDir, RunSpec
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+
+# Elastic membership on one machine: two torchrun agents (two "nodes") join and leave one c10d rendezvous.
+#
+#     torchrun --nnodes 1:2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT --max-restarts K
+#
+# Node 0 hosts the rendezvous store and trains alone; node 1 starts and joins (node 0's agent sees it waiting
+# and restarts the group at world size 2); node 1 is then stopped (SIGTERM to its agent, as a scheduler
+# preempting it would), node 0's workers lose their peer, and its agent restarts the group at world size 1
+# once the rendezvous has dropped the dead node (its heartbeats stopped). The rank side is
+# :func:`~course_lib.checkpoint.elastic_train.train_elastic`. Everything started here is ended by process
+# group and recorded pid, whatever happens, within a hard overall timeout.
+
+# Rendezvous settings (torchrun --rdzv-conf): generous to join, quick to drop a dead node and to close a round.
+RDZV_CONF = "join_timeout=300,last_call_timeout=3,close_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=5"
+
+
+@dataclass
+class Node:
+    name: str
+    spec: RunSpec
+    run: RunDir
+    proc: subprocess.Popen | None = None  # the torchrun agent
+    lines: list[str] = field(default_factory=list)  # the agent's own output
+    pump: threading.Thread | None = None
+
+
+@dataclass
+class ElasticRun:
+    events: list[dict]  # rank 0's log, in order: start, step and pause events
+    references: dict[int, list[float]]  # world size -> losses of an uninterrupted run at that size
+    agent_lines: dict[str, list[str]]  # node name -> its agent's output
+    exit_codes: dict[str, int | None]
+    left: list[int]  # pids of processes of the run still alive after it ended: none
+    wall_s: float
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One start of the program that trained: at one world size, from one checkpoint."""
+
+    world: int
+    resumed_from: int | None  # the checkpoint's step; None: from scratch
+    saved_by: int | None  # how many ranks wrote that checkpoint
+    restarts: int  # TORCHELASTIC_RESTART_COUNT: the agent's failures so far (membership changes do not count)
+    steps: tuple[int, ...]
+    losses: tuple[float, ...]
+
+
+def segments(events: list[dict]) -> list[Segment]:
+    """The starts of the program that trained at least one step, in order, from rank 0's log."""
+    found: list[Segment] = []
+    start: dict | None = None
+    steps: list[tuple[int, float]] = []
+    for event in [*events, {"event": "start"}]:  # a sentinel closes the last start
+        if event["event"] == "start":
+            if start is not None and steps:
+                found.append(
+                    Segment(
+                        start["world"],
+                        start["step"] if start["saved_by"] else None,
+                        start["saved_by"],
+                        start["restarts"],
+                        tuple(s for s, _ in steps),
+                        tuple(loss for _, loss in steps),
+                    )
+                )
+            start, steps = event, []
+        elif event["event"] == "step":
+            steps.append((event["step"], event["loss"]))
+    return found
+
+
+def agent_messages(lines: list[str]) -> list[str]:
+    """What an agent logged about its worker group: its ``[default] ...`` lines and each round's world size."""
+    pattern = re.compile(r"\]\s+(\[default\] .*|group_world_size=\d+)$")
+    return [m.group(1) for line in lines if (m := pattern.search(line))]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _end(nodes: list[Node]) -> list[int]:
+    """End both nodes' agents and workers (process group, recorded pids); the pids of any still alive."""
+    from course_lib.debugging import processes_of
+
+    for node in nodes:
+        if node.proc is not None:
+            processes.end_run(node.proc, node.run)
+    for node in nodes:
+        if node.pump is not None:
+            node.pump.join(timeout=10)
+    left = [pid for node in nodes for pid in processes_of(str(node.run.path))]
+    for node in nodes:
+        node.run.remove()
+    return left
+
+
+def read_events(root: Path) -> list[dict]:
+    """Rank 0's log so far."""
+    return read_json_lines(root / EVENTS)
+
+
+def read_json_lines(path: Path) -> list[dict]:
+    """A log of one JSON object per line, so far (none if absent; a line still being written is skipped)."""
+    events = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return events
+
+
+def _node(index: int, body: str, backend: str, endpoint: str, rdzv_id: str, restarts: int, timeout_s: float) -> Node:
+    env = {
+        "PET_RDZV_CONF": f"is_host={int(index == 0)},{RDZV_CONF}",  # torchrun reads its flags from PET_*
+        "PET_LOCAL_ADDR": "127.0.0.1",
+        "OMP_NUM_THREADS": "1",
+        "LOGLEVEL": "INFO",  # the agent logs its rendezvous rounds and restarts
+    }
+    if backend == "nccl":
+        env["CUDA_VISIBLE_DEVICES"] = str(index)  # one GPU per node: both nodes' rank has LOCAL_RANK 0
+    spec = RunSpec.create(
+        nproc=1,
+        backend=backend,
+        init=False,  # the program joins the group itself, once per round
+        timeout=timeout_s,
+        max_restarts=restarts,
+        nnodes="1:2",
+        rdzv_backend="c10d",
+        rdzv_endpoint=endpoint,
+        rdzv_id=rdzv_id,
+        env=env,
+    )
+    run = RunDir.create()
+    run.cell.write_text(body)
+    spec.write(run)
+    return Node(f"node {index}", spec, run)
+
+
+def _start(node: Node, deadline: float) -> None:
+    node.proc = proc = processes.start_agent(node.spec, node.run)
+    node.pump = threading.Thread(
+        target=processes.pump, args=(proc, deadline, lambda line, name: node.lines.append(line)), daemon=True
+    )
+    node.pump.start()
+
+
+def _wait(what: str, done: Callable[[], bool], nodes: list[Node], deadline: float) -> None:
+    while not done():
+        for node in nodes:
+            if node.proc is not None and node.proc.poll() is not None:
+                tail = "\n".join(node.lines[-30:])
+                raise RuntimeError(f"{node.name}'s agent exited while waiting for {what}:\n{tail}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gave up waiting for {what}: every process was ended")
+        time.sleep(0.1)
+
+
+def _paused(root: Path, step: int, world: int) -> Callable[[], bool]:
+    return lambda: any(e["event"] == "pause" and e["step"] == step and e["world"] == world for e in read_events(root))
+
+
+def run_elastic(
+    root: str | Path,
+    *,
+    total_steps: int = 12,
+    pauses: tuple[int, int] = (4, 8),
+    backend: str = "gloo",
+    max_restarts: int = 3,
+    timeout_s: float = 240.0,
+) -> ElasticRun:
+    """Train on node 0 to `pauses[0]`, add node 1, train to `pauses[1]`, stop node 1, train to the end.
+
+    Raises TimeoutError after `timeout_s` seconds in all (and RuntimeError if an agent exits early), with
+    a note listing the processes still alive after every process was ended (none).
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    deadline = start + timeout_s
+    body = (
+        "from course_lib.checkpoint import train_elastic\n"
+        f"train_elastic({str(root)!r}, {total_steps}, {tuple(pauses)!r}, backend={backend!r})\n"
+    )
+    endpoint, rdzv_id = f"127.0.0.1:{_free_port()}", f"elastic-{uuid.uuid4().hex[:8]}"
+    nodes = [_node(i, body, backend, endpoint, rdzv_id, max_restarts, timeout_s) for i in range(2)]
+    first, second = nodes
+    try:
+        _start(first, deadline)
+        _wait(f"node 0 alone to pause at step {pauses[0]}", _paused(root, pauses[0], 1), nodes, deadline)
+        _start(second, deadline)
+        _wait(f"both nodes to pause at step {pauses[1]}", _paused(root, pauses[1], 2), nodes, deadline)
+        assert first.proc is not None and second.proc is not None
+        processes.kill_group(second.proc.pid, signal.SIGTERM)  # node 1 leaves, as a preempted node does
+        agent = first.proc
+        _wait("node 0 to finish", lambda: agent.poll() is not None, [], deadline)
+    except BaseException as error:
+        for node in nodes:  # what the agents and ranks said, before their run folders go
+            error.add_note(f"--- {node.name}'s agent, last lines:\n" + "\n".join(node.lines[-20:]))
+            for log in sorted(node.run.logs.glob("*/attempt_*/*/stderr.log")):
+                tail = "\n".join(log.read_text().splitlines()[-15:])
+                error.add_note(f"--- {node.name}, {log.parent.parent.name}, a rank's stderr:\n{tail}")
+        error.add_note(f"processes left behind after ending both nodes: {_end(nodes)}")
+        raise
+    left = _end(nodes)
+    references = {w: json.loads((root / f"reference_{w}.json").read_text()) for w in (1, 2)}
+    return ElasticRun(
+        events=read_events(root),
+        references=references,
+        agent_lines={n.name: n.lines for n in nodes},
+        exit_codes={n.name: None if n.proc is None else n.proc.returncode for n in nodes},
+        left=left,
+        wall_s=time.monotonic() - start,
+    )
+
+
+# Replica groups started from the kernel: one one-rank torchrun run each, a torchft lighthouse in this process.
+#
+# The machinery is section 10's (above: start, kill by recorded pid, end, check that nothing is
+# left); the lighthouse is torchft's ``LighthouseServer``, a Rust thread, no process. :func:`run_torchft` is the
+# failure run of section 11, :func:`compare_sync` the runs of section 12.
+
+
+@dataclass
+class TorchftRun:
+    events: dict[str, list[dict]]  # "replica 0", "replica 1", "replica 1 again" -> its log, in order
+    weights: dict[str, dict[str, torch.Tensor]]  # "replica 0", "replica 1" -> final weights
+    killed_at: float  # time.time() of the kill
+    exit_codes: dict[str, int | None]
+    left: list[int]  # pids of processes of the run still alive after it ended: none
+    wall_s: float
+
+
+def _replica(name: str, body: str, timeout_s: float) -> Node:
+    """One replica group: a one-rank torchrun run of its own, gloo on the CPU (torchft's ProcessGroupGloo)."""
+    spec = RunSpec.create(nproc=1, backend="gloo", init=False, timeout=timeout_s, env=QUIET)
+    run = RunDir.create()
+    run.cell.write_text(body)
+    spec.write(run)
+    return Node(name, spec, run)
+
+
+def _add_notes(error: BaseException, nodes: list[Node]) -> None:
+    """Each replica's last stderr lines, then end every replica (naming any process still alive: none)."""
+    for node in nodes:
+        for log in sorted(node.run.logs.glob("*/attempt_*/*/stderr.log")):
+            tail = "\n".join(log.read_text().splitlines()[-15:])
+            error.add_note(f"--- {node.name}, its stderr:\n{tail}")
+    error.add_note(f"processes left behind after ending every replica: {_end(nodes)}")
+
+
+def _lighthouse() -> tuple[Any, str]:
+    """A lighthouse server in this process (a Rust thread) on loopback, and its address."""
+    # torchft's Rust side reads RUST_LOG when a server starts and logs every quorum at INFO by default
+    os.environ.setdefault("RUST_LOG", "error")
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(bind="127.0.0.1:0", **LIGHTHOUSE)
+    port = server.address().rsplit(":", 1)[1]  # it advertises the host's name; the replicas dial loopback
+    return server, f"http://127.0.0.1:{port}"
+
+
+def _body(module: str, call: str) -> str:
+    """The cell a replica's torchrun run executes: one call into a module of this package."""
+    return f"from course_lib.checkpoint import {module}\n{module}.{call}\n"
+
+
+def run_torchft(
+    root: str | os.PathLike,
+    *,
+    total_steps: int = 14,
+    kill_at: int = 6,
+    rejoin_at: int = 10,
+    timeout_s: float = 120.0,
+) -> TorchftRun:
+    """Two replicas train; replica 1 is killed (SIGKILL, by recorded pid) before step `kill_at`; replica 0 trains on
+    alone; replica 1 starts again, heals from replica 0 at step `rejoin_at`, and both train to `total_steps`.
+
+    Raises TimeoutError after `timeout_s` seconds in all, with each replica's last log lines.
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    deadline = start + timeout_s
+    lighthouse, address = _lighthouse()
+    steps = f"{total_steps}, limit_s={timeout_s}"
+    first = _replica(
+        "replica 0",
+        _body(
+            "fault_tolerance", f"train_replica({str(root)!r}, 0, {address!r}, {steps}, wait_for_rejoin_at={rejoin_at})"
+        ),
+        timeout_s,
+    )
+    second = _replica(
+        "replica 1",
+        _body("fault_tolerance", f"train_replica({str(root)!r}, 1, {address!r}, {steps}, pause_at={kill_at})"),
+        timeout_s,
+    )
+    again = _replica(
+        "replica 1 again",
+        _body("fault_tolerance", f"train_replica({str(root)!r}, 1, {address!r}, {steps}, rejoining=True)"),
+        timeout_s,
+    )
+    nodes = [first, second, again]
+    log0, log1 = root / "replica_0.jsonl", root / "replica_1.jsonl"
+    try:
+        _start(first, deadline)
+        _start(second, deadline)
+        paused = lambda: any(e["event"] == "pause" for e in read_json_lines(log1))
+        _wait(f"replica 1 to reach step {kill_at}", paused, [first, second], deadline)
+        for pid in second.run.pids():  # the replica's process, by its recorded pid: no cleanup, no goodbye
+            processes.kill_group(pid, signal.SIGKILL)
+        killed_at = time.time()
+        assert second.proc is not None
+        second.proc.wait(30)  # its torchrun agent sees the worker die and exits
+        alone = lambda: any(e["event"] == "step" and e["step"] == kill_at for e in read_json_lines(log0))
+        _wait(f"replica 0 to commit step {kill_at} alone", alone, [first], deadline)
+        log1.rename(root / "replica_1_first.jsonl")
+        _start(again, deadline)
+        done = lambda: all(n.proc is not None and n.proc.poll() is not None for n in (first, again))
+        _wait("both replicas to finish", done, [], deadline)
+        codes = {n.name: None if n.proc is None else n.proc.returncode for n in (first, again)}
+        if any(codes.values()):
+            raise RuntimeError(f"a replica failed: exit codes {codes}")
+    except BaseException as error:
+        _add_notes(error, nodes)
+        raise
+    finally:
+        lighthouse.shutdown()
+    left = _end(nodes)
+    events = {
+        "replica 0": read_json_lines(log0),
+        "replica 1": read_json_lines(root / "replica_1_first.jsonl"),
+        "replica 1 again": read_json_lines(log1),
+    }
+    weights = {f"replica {r}": torch.load(root / f"replica_{r}.pt", weights_only=True) for r in (0, 1)}
+    return TorchftRun(
+        events=events,
+        weights=weights,
+        killed_at=killed_at,
+        exit_codes={n.name: None if n.proc is None else n.proc.returncode for n in nodes},
+        left=left,
+        wall_s=time.monotonic() - start,
+    )
+
+
+@dataclass
+class SyncComparison:
+    runs: dict[str, dict[str, list]]  # SYNC_RUNS name -> {"allreduced": bytes per call, "losses": every 8 steps}
+    steps: int
+    replicas_agree: bool  # both replicas recorded the same calls and losses
+    left: list[int]  # pids of processes of the run still alive after it ended: none
+
+
+def compare_sync(root: str | os.PathLike, *, steps: int = 24, timeout_s: float = 120.0) -> SyncComparison:
+    """Run :func:`train_synced` on two replicas (one torchrun run each, a lighthouse per run in this process)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + timeout_s
+    started = {name: _lighthouse() for name in SYNC_RUNS}
+    servers = {name: server for name, (server, _) in started.items()}
+    addresses = {name: address for name, (_, address) in started.items()}
+    nodes = [
+        _replica(
+            f"replica {r}",
+            _body("local_sgd", f"train_synced({str(root)!r}, {r}, {addresses!r}, {steps}, limit_s={timeout_s})"),
+            timeout_s,
+        )
+        for r in (0, 1)
+    ]
+    try:
+        for node in nodes:
+            _start(node, deadline)
+        finished = lambda: all(n.proc is not None and n.proc.poll() is not None for n in nodes)
+        _wait("both replicas to finish", finished, [], deadline)
+        codes = [None if n.proc is None else n.proc.returncode for n in nodes]
+        if any(codes):
+            raise RuntimeError(f"a replica failed: exit codes {codes}")
+    except BaseException as error:
+        _add_notes(error, nodes)
+        raise
+    finally:
+        for server in servers.values():
+            server.shutdown()
+    left = _end(nodes)
+    records = [json.loads((root / f"synced_{r}.json").read_text()) for r in (0, 1)]
+    return SyncComparison(records[0], steps, records[0] == records[1], left)
+
+
+# Kernel side (figures only): the loss curve of an elastic run against uninterrupted runs; who reads which rows
+# when a checkpoint is loaded at another world size.
+
+
+def plot_elastic(segments: list[Segment], references: dict[int, list[float]]) -> Figure:
+    """Each start's losses (colour = world size) over the uninterrupted runs at each world size."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 3))
+    styles = {1: ("tab:blue", "-"), 2: ("tab:orange", "--")}
+    for world, losses in sorted(references.items()):
+        color, line = styles.get(world, ("gray", ":"))
+        ax.plot(range(len(losses)), losses, line, color=color, alpha=0.5, label=f"uninterrupted, {world} rank(s)")
+    for i, segment in enumerate(segments):
+        color, _ = styles.get(segment.world, ("gray", ":"))
+        ax.plot(segment.steps, segment.losses, "o", color=color, label=f"elastic, {segment.world} rank(s)")
+        if i:
+            ax.axvline(segment.steps[0] - 0.5, color="gray", linestyle=":", linewidth=1)
+            change = "joins" if segment.world > segments[i - 1].world else "leaves"
+            ax.text(segment.steps[0] - 0.4, max(segment.losses), f"node 1 {change}", fontsize=8, va="top")
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    ax.legend(unique.values(), unique.keys(), fontsize=8)
+    ax.set(xlabel="step", ylabel="loss (global batch)", title="one loss curve across two membership changes")
+    fig.tight_layout()
+    return fig
+
+
+def draw_reads(saved_world: int, loading_world: int, rows: int) -> None:
+    """Left: the rows of one tensor, the saved files (top) and what each loading rank reads from which (bottom).
+    Right: rows each loading rank reads from each saved shard."""
+    import matplotlib.pyplot as plt
+    import torch
+
+    plan = read_plan(rows, saved_world, loading_world)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3), gridspec_kw={"width_ratios": [3, 2]})
+    for saved in range(saved_world):
+        start, stop = shard_rows(rows, saved_world, saved)
+        left.broken_barh([(start, stop - start)], (1.1, 0.8), color=plt.cm.tab10(saved % 10), edgecolor="white")
+        if stop > start:
+            left.text((start + stop) / 2, 1.5, f"shard_{saved}", ha="center", va="center", fontsize=8)
+    matrix = torch.zeros(loading_world, saved_world)
+    for loading, reads in enumerate(plan):
+        for saved, lo, hi in reads:
+            left.broken_barh([(lo, hi - lo)], (0, 0.8), color=plt.cm.tab10(saved % 10), edgecolor="white")
+            matrix[loading, saved] = hi - lo
+        start, stop = shard_rows(rows, loading_world, loading)
+        left.axvline(start, ymax=0.45, color="black", linewidth=1)
+        if stop > start:
+            left.text((start + stop) / 2, -0.3, f"rank {loading}", ha="center", fontsize=8)
+    left.set_yticks([0.4, 1.5], [f"load ({loading_world})", f"saved ({saved_world})"])
+    left.set(xlim=(0, rows), ylim=(-0.6, 2), xlabel="row of the tensor")
+    left.set_title("colour = the saved file each row is read from")
+    right.imshow(matrix, cmap="Blues", aspect="auto")
+    for (i, j), value in zip(
+        torch.cartesian_prod(torch.arange(loading_world), torch.arange(saved_world)).tolist(), matrix.flatten().tolist()
+    ):
+        right.text(j, i, f"{value:g}", ha="center", va="center", fontsize=8)
+    right.set_xticks(range(saved_world))
+    right.set_yticks(range(loading_world))
+    right.set(xlabel="saved shard", ylabel="loading rank", title="rows read")
+    plt.tight_layout()
+    plt.show()

@@ -1,0 +1,249 @@
+"""Notebook 08's lab: one training step, ours and torch.distributed.pipelining's, against single-process
+training; torch's newer schedules as the course's actions; the Gantt chart and the schedule explorer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from course_lib.compare import grad_of, max_difference
+from course_lib.launch.runtime import fake_rank
+from course_lib.pipeline.execution import RunRecord, execute
+from course_lib.pipeline.schedules import Action, peak_in_flight, schedule_actions
+from course_lib.pipeline.stages import course_model, local_stages, split_into_stages
+from course_lib.pipeline.timeline import Event, bubble_fraction, simulate
+
+# One training step of notebook 08: from scratch and with torch.distributed.pipelining, and its reference.
+#
+# The reference is single-process training on the whole batch; gradients are compared stage by stage.
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean squared error: the loss of every pipeline step here."""
+    return nn.functional.mse_loss(output, target)
+
+
+def stage_gradients(modules: Mapping[int, nn.Module]) -> dict[int, list[torch.Tensor]]:
+    """{stage: copies of its module's parameter gradients, in parameter order}."""
+    return {s: [grad_of(p).detach().clone() for p in module.parameters()] for s, module in modules.items()}
+
+
+def reference_stage_gradients(
+    model: nn.Sequential, n_stages: int, x: torch.Tensor, y: torch.Tensor
+) -> tuple[float, dict[int, list[torch.Tensor]]]:
+    """Single-process step on the whole batch: (loss, the gradients grouped by the stage that owns each parameter)."""
+    model.zero_grad()
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    return loss.item(), stage_gradients(dict(enumerate(split_into_stages(model, n_stages))))
+
+
+def max_gradient_error(modules: Mapping[int, nn.Module], expected: Mapping[int, Sequence[torch.Tensor]]) -> float:
+    """Largest |difference| between the stage modules' gradients and `expected` ({stage: gradients})."""
+    got = stage_gradients(modules)
+    return max_difference([g for s in got for g in got[s]], [g for s in got for g in expected[s]])
+
+
+def pipeline_step(
+    schedule: str,
+    n_microbatches: int,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    model: nn.Sequential | None = None,
+    stage_ranks: Sequence[int] | None = None,
+    n_virtual: int = 2,
+    min_seconds: dict[str, float] | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[RunRecord, dict[int, nn.Sequential]]:
+    """One from-scratch training step of `schedule` on this rank: (its record, its stage modules).
+
+    Ranks not in `stage_ranks` (default: all) must not call it. `min_seconds` is
+    the time of a rank's whole share of the model; a virtual stage takes 1/v of it.
+    """
+    stage_ranks = list(stage_ranks) if stage_ranks is not None else list(range(dist.get_world_size()))
+    p, rank = len(stage_ranks), stage_ranks.index(dist.get_rank())
+    v = n_virtual if schedule == "interleaved 1F1B" else 1
+    modules = local_stages(model if model is not None else course_model(), rank, p, v)
+    actions = schedule_actions(schedule, p, n_microbatches, n_virtual)[rank]
+    if x.shape[0] % n_microbatches:
+        raise ValueError(f"a batch of {x.shape[0]} does not split into {n_microbatches} equal micro-batches")
+    xs, ys = list(x.chunk(n_microbatches)), list(y.chunk(n_microbatches))
+    if min_seconds:
+        min_seconds = {kind: seconds / v for kind, seconds in min_seconds.items()}
+    first_linear = next(m for m in next(iter(modules.values())) if isinstance(m, nn.Linear))
+    shape = (xs[0].shape[0], first_linear.in_features)  # every activation between stages
+    record = execute(
+        actions, modules, p * v, xs, ys, loss_fn, shape, stage_ranks=stage_ranks, min_seconds=min_seconds, group=group
+    )
+    return record, modules
+
+
+TORCH_NAMES = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B", "interleaved 1F1B": "ScheduleInterleaved1F1B"}
+
+
+def build_schedule(
+    schedule: str,
+    modules: Mapping[int, nn.Module],
+    n_stages: int,
+    n_microbatches: int,
+    device: torch.device,
+    group: dist.ProcessGroup | None = None,
+) -> Any:
+    """torch's schedule class called `schedule` (e.g. "Schedule1F1B") over this rank's {stage: module}."""
+    from torch.distributed.pipelining import PipelineStage, schedules
+
+    stages = [PipelineStage(module, s, n_stages, device, group=group) for s, module in sorted(modules.items())]
+    kind = getattr(schedules, schedule)
+    one_stage_per_rank = issubclass(kind, schedules.PipelineScheduleSingle)
+    return kind(stages[0] if one_stage_per_rank else stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
+
+
+def run_torch_step(
+    runner: Any, modules: Mapping[int, nn.Module], n_stages: int, x: torch.Tensor, y: torch.Tensor
+) -> list[float]:
+    """One step of a torch schedule on this rank: the batch goes in where stage 0 lives, the targets where the last
+    stage lives, which also gets the micro-batch losses back (the others get [])."""
+    losses: list[torch.Tensor] = []
+    holds_last = n_stages - 1 in modules
+    args = (x,) if 0 in modules else ()
+    runner.step(*args, target=y if holds_last else None, losses=losses if holds_last else None)
+    return [float(loss.detach()) for loss in losses]
+
+
+def torch_pipeline_step(
+    schedule: str,
+    n_microbatches: int,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    model: nn.Sequential | None = None,
+    group: dist.ProcessGroup | None = None,
+    n_virtual: int = 2,
+) -> tuple[list[float], dict[int, nn.Sequential]]:
+    """The same step with torch.distributed.pipelining: (micro-batch losses on the last rank, stage modules)."""
+    rank, p = dist.get_rank(group), dist.get_world_size(group)
+    v = n_virtual if schedule == "interleaved 1F1B" else 1
+    modules = local_stages(model if model is not None else course_model(), rank, p, v)
+    device = next(next(iter(modules.values())).parameters()).device
+    runner = build_schedule(TORCH_NAMES[schedule], modules, p * v, n_microbatches, device, group)
+    return run_torch_step(runner, modules, p * v, x, y), modules
+
+
+# torch.distributed.pipelining's newer schedules (two stages per rank) on the course's model, and their orders.
+#
+# Each torch schedule computes, on every rank, the action list of every rank (``pipeline_order``).
+# :func:`course_actions` turns it into the course's actions, so the course's :func:`simulate`,
+# :func:`bubble_fraction` and :func:`peak_in_flight` judge torch's schedules exactly as ours.
+
+TORCH_SCHEDULES = ("ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+
+
+V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")  # the model goes down the ranks and back up
+
+
+def stages_of_rank(schedule: str, rank: int, n_ranks: int) -> list[int]:
+    """The two stages rank `rank` holds: looped (r and r + p) or, for V-shaped schedules, r and 2p - 1 - r."""
+    return [rank, 2 * n_ranks - 1 - rank] if schedule in V_SHAPED else [rank, rank + n_ranks]
+
+
+def course_actions(pipeline_order: Mapping[int, Sequence[Any]]) -> dict[int, list[Action]]:
+    """torch's compute actions as the course's: F is F, I (input gradient) is B, W is W, a full backward B.
+
+    DualPipeV's overlapped F+B pair becomes its two actions, one after the other (the
+    overlap hides communication, not compute); idle slots (None) are dropped.
+    """
+
+    def expand(a: Any) -> Iterator[Action]:
+        kind = a.computation_type.value
+        if a.sub_actions:
+            for sub in a.sub_actions:
+                yield from expand(sub)
+        elif kind in ("F", "W"):
+            yield Action(kind, a.microbatch_index, a.stage_index)
+        elif kind in ("I", "B"):  # a B without a W of its own is a full backward (simulate, execute)
+            yield Action("B", a.microbatch_index, a.stage_index)
+
+    return {rank: [c for a in order if a is not None for c in expand(a)] for rank, order in pipeline_order.items()}
+
+
+def torch_schedule_order(schedule: str, n_ranks: int, n_microbatches: int) -> dict[int, list[Action]]:
+    """Every rank's actions in torch's `schedule` for p = n_ranks, without ranks: built once in a fake world."""
+    parts = split_into_stages(course_model(), 2 * n_ranks)
+    modules = {s: parts[s] for s in stages_of_rank(schedule, 0, n_ranks)}
+    with fake_rank(0, n_ranks):  # every rank computes every rank's list: rank 0's copy will do
+        built = build_schedule(schedule, modules, 2 * n_ranks, n_microbatches, torch.device("cpu"))
+    return course_actions(built.pipeline_order)
+
+
+def torch_schedule_step(
+    schedule: str,
+    n_microbatches: int,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    model: nn.Sequential | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[list[float], dict[int, nn.Sequential], dict[int, list[Action]]]:
+    """One step of torch's `schedule` on this rank: (losses on the rank holding the last stage, its stage modules,
+    every rank's actions as the course's)."""
+    rank, p = dist.get_rank(group), dist.get_world_size(group)
+    parts = split_into_stages(model if model is not None else course_model(), 2 * p)
+    modules = {s: parts[s] for s in stages_of_rank(schedule, rank, p)}
+    device = next(parts[0].parameters()).device
+    runner = build_schedule(schedule, modules, 2 * p, n_microbatches, device, group)
+    return run_torch_step(runner, modules, 2 * p, x, y), modules, course_actions(runner.pipeline_order)
+
+
+# Plots of schedules (kernel-only): a Gantt chart of a timeline, simulated or measured; the schedule explorer.
+
+
+def plot_timeline(ax: Any, events: Sequence[Event], n_ranks: int, title: str = "") -> None:
+    """Gantt chart: one row per rank, forwards blue, backwards orange, weight gradients (W) green, by micro-batch."""
+    import matplotlib.pyplot as plt
+
+    t0 = min(e.start for e in events)
+    scale = max(e.end for e in events) - t0
+    for e in events:
+        chunk = e.action.stage // n_ranks  # virtual stage index on its rank (0 unless interleaved)
+        color = plt.cm.tab20({"F": 0, "B": 2, "W": 4}[e.action.kind] + chunk)
+        ax.barh(e.rank, e.end - e.start, left=e.start - t0, height=0.8, color=color, edgecolor="white", linewidth=0.5)
+        if (e.end - e.start) / scale > 0.018:
+            ax.text((e.start + e.end) / 2 - t0, e.rank, str(e.action.microbatch), ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(n_ranks), [f"rank {r}" for r in range(n_ranks)])
+    ax.set_ylim(n_ranks - 0.5, -0.5)
+    ax.set_title(title, fontsize=9)
+
+
+def draw_schedule(
+    schedule: str, stages: int, microbatches: int, measured: dict[tuple[str, int, int], list[Event]] | None = None
+) -> None:
+    """Left: the ideal timeline of `schedule` (t_f = 10, t_b = 20, t_w = 10 ms), its bubble and the micro-batches rank 0
+    holds. Right: the measured timeline of the same (schedule, stages, microbatches), if `measured` has it (seconds)."""
+    import matplotlib.pyplot as plt
+
+    v = 2 if schedule == "interleaved 1F1B" else 1
+    fig, axes = plt.subplots(1, 2, figsize=(11, 0.8 + 0.45 * stages), sharey=True)
+    try:
+        actions = schedule_actions(schedule, stages, microbatches)
+        ideal = simulate(actions, stages * v, t_forward=10, t_backward=20, t_weight=10)
+        held = sum(peak_in_flight(actions[0]).values()) / v
+        title = f"ideal: bubble {bubble_fraction(ideal, stages):.3f}, rank 0 holds {held:g} micro-batches"
+        plot_timeline(axes[0], ideal, stages, title)
+    except ValueError as error:
+        axes[0].set_title(str(error), fontsize=8)
+    events = (measured or {}).get((schedule, stages, microbatches))
+    if events:
+        in_ms = [e._replace(start=e.start * 1e3, end=e.end * 1e3) for e in events]
+        plot_timeline(axes[1], in_ms, stages, f"measured: bubble {bubble_fraction(in_ms, stages):.3f}")
+    else:
+        axes[1].set_title("not measured in section 4", fontsize=8)
+    axes[0].set_xlabel("ms")
+    axes[1].set_xlabel("ms")
+    plt.tight_layout()
+    plt.show()
