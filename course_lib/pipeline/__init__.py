@@ -25,7 +25,6 @@ from course_lib.pipeline.lab import (
     reference_stage_gradients,
     stage_gradients,
     stages_of_rank,
-    torch_pipeline_step,
     torch_schedule_order,
     torch_schedule_step,
 )

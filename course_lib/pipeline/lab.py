@@ -116,27 +116,6 @@ def run_torch_step(
     return [float(loss.detach()) for loss in losses]
 
 
-def torch_pipeline_step(
-    schedule: str,
-    n_microbatches: int,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    *,
-    model: nn.Sequential | None = None,
-    group: dist.ProcessGroup | None = None,
-    n_virtual: int = 2,
-) -> tuple[list[float], dict[int, nn.Sequential]]:
-    """The same step with torch.distributed.pipelining: (micro-batch losses on the last rank, stage modules)."""
-    rank, p = dist.get_rank(group), dist.get_world_size(group)
-    v = n_virtual if schedule == "interleaved 1F1B" else 1
-    modules = local_stages(model if model is not None else course_model(), rank, p, v)
-    device = next(next(iter(modules.values())).parameters()).device
-    runner = build_schedule(TORCH_NAMES[schedule], modules, p * v, n_microbatches, device, group)
-    return run_torch_step(runner, modules, p * v, x, y), modules
-
-
-# torch.distributed.pipelining's newer schedules (two stages per rank) on the course's model, and their orders.
-#
 # Each torch schedule computes, on every rank, the action list of every rank (``pipeline_order``).
 # :func:`course_actions` turns it into the course's actions, so the course's :func:`simulate`,
 # :func:`bubble_fraction` and :func:`peak_in_flight` judge torch's schedules exactly as ours.
@@ -148,7 +127,10 @@ V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")  # the model goes down
 
 
 def stages_of_rank(schedule: str, rank: int, n_ranks: int) -> list[int]:
-    """The two stages rank `rank` holds: looped (r and r + p) or, for V-shaped schedules, r and 2p - 1 - r."""
+    """The stages rank `rank` holds in torch's `schedule`: its own (GPipe, 1F1B), two looped (r and r + p) or, for
+    V-shaped schedules, r and 2p - 1 - r."""
+    if schedule in ("ScheduleGPipe", "Schedule1F1B"):
+        return [rank]
     return [rank, 2 * n_ranks - 1 - rank] if schedule in V_SHAPED else [rank, rank + n_ranks]
 
 
@@ -190,14 +172,16 @@ def torch_schedule_step(
     model: nn.Sequential | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> tuple[list[float], dict[int, nn.Sequential], dict[int, list[Action]]]:
-    """One step of torch's `schedule` on this rank: (losses on the rank holding the last stage, its stage modules,
-    every rank's actions as the course's)."""
+    """One step of torch's `schedule` (its class name, or the course's name of the same schedule) on this rank:
+    (losses on the rank holding the last stage, its stage modules, every rank's actions as the course's)."""
+    schedule = TORCH_NAMES.get(schedule, schedule)
     rank, p = dist.get_rank(group), dist.get_world_size(group)
-    parts = split_into_stages(model if model is not None else course_model(), 2 * p)
+    n_stages = p * len(stages_of_rank(schedule, rank, p))
+    parts = split_into_stages(model if model is not None else course_model(), n_stages)
     modules = {s: parts[s] for s in stages_of_rank(schedule, rank, p)}
     device = next(parts[0].parameters()).device
-    runner = build_schedule(schedule, modules, 2 * p, n_microbatches, device, group)
-    return run_torch_step(runner, modules, 2 * p, x, y), modules, course_actions(runner.pipeline_order)
+    runner = build_schedule(schedule, modules, n_stages, n_microbatches, device, group)
+    return run_torch_step(runner, modules, n_stages, x, y), modules, course_actions(runner.pipeline_order)
 
 
 # Plots of schedules (kernel-only): a Gantt chart of a timeline, simulated or measured; the schedule explorer.

@@ -126,6 +126,16 @@ def assert_judged(
         assert found, (answer.__name__, says, per_rank)
 
 
-def assert_checker(checker: Callable, right: Callable, wrong: dict[Callable, str | re.Pattern], nproc: int = 3) -> None:
-    """assert_judged for one checker: its solution `right`, and {wrong answer: what its message says}."""
+def assert_checker(
+    checker: Callable,
+    right: Callable,
+    wrong: dict[Callable, str | re.Pattern],
+    nproc: int = 3,
+    stub: Callable | None = None,
+) -> None:
+    """assert_judged for one checker: its solution `right`, and {wrong answer: what its message says}; and the
+    exercise's `stub`, as the notebook gives it, is "not attempted yet" (check() returns None, launching nothing)."""
+    from course_lib.exercises import check
+
+    assert stub is None or check(stub, checker, quiet=True) is None, stub
     assert_judged([(right, checker)], [(answer, checker, says) for answer, says in wrong.items()], nproc)

@@ -23,7 +23,7 @@ def equality(rank: int, world_size: int) -> dict:
                 for m in {"GPipe": (1, 4, 12), "1F1B": (4, 12), "interleaved 1F1B": (p, 4 * p)}[schedule]:
                     ref_loss, expected = pp.reference_stage_gradients(pp.course_model(), p * v, x, y)
                     record, ours = pp.pipeline_step(schedule, m, x, y, stage_ranks=range(p))
-                    torch_losses, theirs = pp.torch_pipeline_step(schedule, m, x, y, group=group)
+                    torch_losses, theirs, _ = pp.torch_schedule_step(schedule, m, x, y, group=group)
                     versus_torch = pp.max_gradient_error(ours, pp.stage_gradients(theirs))
                     report.append(
                         dict(
