@@ -4,25 +4,21 @@ pictures, and the benchmark of torch's collectives against the from-scratch ring
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from course_lib.collectives.ring import ring_step
-from course_lib.launch.runtime import rank_device
+from course_lib.collectives.cost import bus_factor
+from course_lib.collectives.ring import naive_all_reduce, ring_all_reduce, ring_step
+from course_lib.launch.runtime import rank_device, synchronize
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
-import statistics
-import time
-from collections.abc import Callable
-
-from course_lib.collectives.cost import bus_factor
-from course_lib.collectives.ring import naive_all_reduce, ring_all_reduce
-from course_lib.launch.runtime import synchronize
 
 # Notebook 01 on the session's live ranks: one collective by name on example data (the explorer
 # drives it), and the 2^r encoding that says which ranks' data a value of the stepped ring contains.
