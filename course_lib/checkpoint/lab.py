@@ -55,6 +55,10 @@ class Node:
     lines: list[str] = field(default_factory=list)  # the agent's own output
     pump: threading.Thread | None = None
 
+    @property
+    def exit_code(self) -> int | None:
+        return None if self.proc is None else self.proc.returncode
+
 
 @dataclass
 class ElasticRun:
@@ -167,10 +171,15 @@ def _node(index: int, body: str, backend: str, endpoint: str, rdzv_id: str, rest
         rdzv_id=rdzv_id,
         env=env,
     )
+    return _prepared(f"node {index}", spec, body)
+
+
+def _prepared(name: str, spec: RunSpec, body: str) -> Node:
+    """A node (a torchrun agent, not started yet) whose ranks will run `body` under `spec`."""
     run = RunDir.create()
     run.cell.write_text(body)
     spec.write(run)
-    return Node(f"node {index}", spec, run)
+    return Node(name, spec, run)
 
 
 def _start(node: Node, deadline: float) -> None:
@@ -190,6 +199,26 @@ def _wait(what: str, done: Callable[[], bool], nodes: list[Node], deadline: floa
         if time.monotonic() > deadline:
             raise TimeoutError(f"gave up waiting for {what}: every process was ended")
         time.sleep(0.1)
+
+
+def _finish(nodes: list[Node], deadline: float) -> None:
+    """Wait until every node's agent has exited; raise if one failed."""
+    finished = lambda: all(n.proc is not None and n.proc.poll() is not None for n in nodes)
+    _wait(f"{', '.join(n.name for n in nodes)} to finish", finished, [], deadline)
+    codes = {n.name: n.exit_code for n in nodes}
+    if any(codes.values()):
+        raise RuntimeError(f"a run failed: exit codes {codes}")
+
+
+def _add_notes(error: BaseException, nodes: list[Node], ended: str) -> None:
+    """What each agent and its ranks said last, before their run folders go; then end every node, naming any
+    process still alive (none)."""
+    for node in nodes:
+        error.add_note(f"--- {node.name}'s agent, last lines:\n" + "\n".join(node.lines[-20:]))
+        for log in sorted(node.run.logs.glob("*/attempt_*/*/stderr.log")):
+            tail = "\n".join(log.read_text().splitlines()[-15:])
+            error.add_note(f"--- {node.name}, {log.parent.parent.name}, a rank's stderr:\n{tail}")
+    error.add_note(f"processes left behind after ending {ended}: {_end(nodes)}")
 
 
 def _paused(root: Path, step: int, world: int) -> Callable[[], bool]:
@@ -231,12 +260,7 @@ def run_elastic(
         agent = first.proc
         _wait("node 0 to finish", lambda: agent.poll() is not None, [], deadline)
     except BaseException as error:
-        for node in nodes:  # what the agents and ranks said, before their run folders go
-            error.add_note(f"--- {node.name}'s agent, last lines:\n" + "\n".join(node.lines[-20:]))
-            for log in sorted(node.run.logs.glob("*/attempt_*/*/stderr.log")):
-                tail = "\n".join(log.read_text().splitlines()[-15:])
-                error.add_note(f"--- {node.name}, {log.parent.parent.name}, a rank's stderr:\n{tail}")
-        error.add_note(f"processes left behind after ending both nodes: {_end(nodes)}")
+        _add_notes(error, nodes, "both nodes")
         raise
     left = _end(nodes)
     references = {w: json.loads((root / f"reference_{w}.json").read_text()) for w in (1, 2)}
@@ -244,7 +268,7 @@ def run_elastic(
         events=read_events(root),
         references=references,
         agent_lines={n.name: n.lines for n in nodes},
-        exit_codes={n.name: None if n.proc is None else n.proc.returncode for n in nodes},
+        exit_codes={n.name: n.exit_code for n in nodes},
         left=left,
         wall_s=time.monotonic() - start,
     )
@@ -269,20 +293,7 @@ class TorchftRun:
 
 def _replica(name: str, body: str, timeout_s: float) -> Node:
     """One replica group: a one-rank torchrun run of its own, gloo on the CPU (torchft's ProcessGroupGloo)."""
-    spec = RunSpec.create(nproc=1, backend="gloo", init=False, timeout=timeout_s, env=QUIET)
-    run = RunDir.create()
-    run.cell.write_text(body)
-    spec.write(run)
-    return Node(name, spec, run)
-
-
-def _add_notes(error: BaseException, nodes: list[Node]) -> None:
-    """Each replica's last stderr lines, then end every replica (naming any process still alive: none)."""
-    for node in nodes:
-        for log in sorted(node.run.logs.glob("*/attempt_*/*/stderr.log")):
-            tail = "\n".join(log.read_text().splitlines()[-15:])
-            error.add_note(f"--- {node.name}, its stderr:\n{tail}")
-    error.add_note(f"processes left behind after ending every replica: {_end(nodes)}")
+    return _prepared(name, RunSpec.create(nproc=1, backend="gloo", init=False, timeout=timeout_s, env=QUIET), body)
 
 
 def _lighthouse() -> tuple[Any, str]:
@@ -353,13 +364,9 @@ def run_torchft(
         _wait(f"replica 0 to commit step {kill_at} alone", alone, [first], deadline)
         log1.rename(root / "replica_1_first.jsonl")
         _start(again, deadline)
-        done = lambda: all(n.proc is not None and n.proc.poll() is not None for n in (first, again))
-        _wait("both replicas to finish", done, [], deadline)
-        codes = {n.name: None if n.proc is None else n.proc.returncode for n in (first, again)}
-        if any(codes.values()):
-            raise RuntimeError(f"a replica failed: exit codes {codes}")
+        _finish([first, again], deadline)
     except BaseException as error:
-        _add_notes(error, nodes)
+        _add_notes(error, nodes, "every replica")
         raise
     finally:
         lighthouse.shutdown()
@@ -374,7 +381,7 @@ def run_torchft(
         events=events,
         weights=weights,
         killed_at=killed_at,
-        exit_codes={n.name: None if n.proc is None else n.proc.returncode for n in nodes},
+        exit_codes={n.name: n.exit_code for n in nodes},
         left=left,
         wall_s=time.monotonic() - start,
     )
@@ -407,13 +414,9 @@ def compare_sync(root: str | os.PathLike, *, steps: int = 24, timeout_s: float =
     try:
         for node in nodes:
             _start(node, deadline)
-        finished = lambda: all(n.proc is not None and n.proc.poll() is not None for n in nodes)
-        _wait("both replicas to finish", finished, [], deadline)
-        codes = [None if n.proc is None else n.proc.returncode for n in nodes]
-        if any(codes):
-            raise RuntimeError(f"a replica failed: exit codes {codes}")
+        _finish(nodes, deadline)
     except BaseException as error:
-        _add_notes(error, nodes)
+        _add_notes(error, nodes, "every replica")
         raise
     finally:
         for server in servers.values():
