@@ -39,9 +39,9 @@ def _shown_modules() -> frozenset[str]:
     for notebook in NOTEBOOKS.glob("*.ipynb"):
         names: dict[str, str] = {}  # a name a notebook imports from course_lib -> what it is
         for cell in json.loads(notebook.read_text())["cells"]:
-            code = "\n".join(line for line in "".join(cell["source"]).splitlines() if not line.startswith(("%", "!")))
-            if cell["cell_type"] != "code" or not code.strip():
+            if cell["cell_type"] != "code":
                 continue
+            code = "\n".join(line for line in "".join(cell["source"]).splitlines() if not line.startswith(("%", "!")))
             for node in ast.walk(ast.parse(code)):
                 if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("course_lib"):
                     names |= {a.asname or a.name: f"{node.module}.{a.name}" for a in node.names}
