@@ -18,6 +18,7 @@ else
 fi
 HALF=$((GPUS / 2))
 export OMP_NUM_THREADS=1 TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='[rank${rank}]: '
+unset TORCH_ALLOW_TF32_CUBLAS_OVERRIDE  # as the course's agents (processes.agent_env): float32 means float32
 AGENTS=()
 for node in 0 1; do
     if [ "$GPUS" -gt 0 ]; then

@@ -32,6 +32,7 @@ FAKE = """\
 import json, os, sys
 name = os.path.basename(sys.argv[0])
 keep = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "NPROC")
+keep += ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE")
 with open(os.environ["FAKE_LOG"], "a") as log:
     log.write(json.dumps({"prog": name, "argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in keep}}) + "\\n")
 code = sys.argv[2] if sys.argv[1:2] == ["-c"] else ""
@@ -57,7 +58,8 @@ class Sandbox:
         (self.repo / ".venv" / "bin").mkdir(parents=True)
         (self.repo / ".venv" / ".installed").touch()
         self.bin.mkdir()
-        for path in (self.bin / "make", self.bin / "srun", self.bin / "scontrol", *self.venv("python", "torchrun")):
+        fakes = ("make", "srun", "scontrol", "module")
+        for path in (*(self.bin / name for name in fakes), *self.venv("python", "torchrun")):
             path.write_text(f"#!{sys.executable}\n{FAKE}")
             path.chmod(0o755)
 
@@ -198,9 +200,44 @@ def test_slurm_multinode_gives_srun_the_cpus(sandbox, gpus_on_node):
     torchrun = argv[argv.index(".venv/bin/torchrun") + 1 :]
     gpus = gpus_on_node or "8"  # the header's --gpus-per-node
     assert torchrun[torchrun.index("--nproc-per-node") + 1] == gpus
-    assert torchrun[torchrun.index("--rdzv-endpoint") + 1] == "node001:29500"
+    assert torchrun[torchrun.index("--rdzv-endpoint") + 1] == f"node001:{15000 + 77}"  # the job's own port
     assert torchrun[-1] == "job.py"
     assert srun["env"]["OMP_NUM_THREADS"] == str(32 // int(gpus))
+
+
+def test_slurm_multinode_can_restart_and_loads_the_modules_asked_for(sandbox):
+    env = {
+        "SLURM_SUBMIT_DIR": str(sandbox.repo),
+        "SLURM_JOB_NODELIST": "node[001-002]",
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_ID": "123456",
+        "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1",  # as in NGC containers
+        "COURSE_MODULES": "python/3.11 cuda/12.8",
+        "RDZV_PORT": "23456",
+    }
+    rc, calls, err = sandbox.run("launch/slurm_multinode.sbatch", "job.py", **env)
+    assert rc == 0, err
+    assert [c["argv"] for c in calls if c["prog"] == "module"] == [["load", "python/3.11", "cuda/12.8"]]
+    (srun,) = [c for c in calls if c["prog"] == "srun"]
+    argv = srun["argv"]
+    assert argv[argv.index("--max-restarts") + 1] == "3"
+    # without it, a restarted group would meet on torchrun's shared store and runtime.init_distributed refuses that
+    assert srun["env"]["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert srun["env"]["TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"] is None
+    assert argv[argv.index("--rdzv-endpoint") + 1] == "node001:23456"
+    env.pop("RDZV_PORT")
+    rc, calls, err = sandbox.run("launch/slurm_multinode.sbatch", "job.py", **env)
+    (srun,) = [c for c in calls if c["prog"] == "srun"]
+    port = int(srun["argv"][srun["argv"].index("--rdzv-endpoint") + 1].split(":")[1])
+    assert rc == 0 and port == 15000 + 123456 % 15000 and port < 32768, (rc, err, port)
+
+
+def test_slurm_course_loads_no_module_unless_asked(sandbox):
+    env = {"SLURM_SUBMIT_DIR": str(sandbox.repo), "FAKE_GPUS": "8"}
+    rc, calls, err = sandbox.run("launch/slurm_course.sbatch", "05", **env)
+    assert rc == 0 and not [c for c in calls if c["prog"] == "module"], (rc, err)
+    rc, calls, err = sandbox.run("launch/slurm_course.sbatch", "05", COURSE_MODULES="python/3.11", **env)
+    assert rc == 0 and [c["argv"] for c in calls if c["prog"] == "module"] == [["load", "python/3.11"]], (rc, err)
 
 
 # ---- launch/multinode_local.sh ---------------------------------------------------------------------
@@ -227,6 +264,14 @@ def test_multinode_local_nodes_do_not_share_gpus(sandbox, gpus, visible, expecte
         e for e in expected if e is not None
     ]
     assert sum(a["env"]["CUDA_VISIBLE_DEVICES"] is None for a in agents) == expected.count(None)
+
+
+def test_multinode_local_drops_the_tf32_override(sandbox):
+    env = {"FAKE_GPUS": "4", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1"}  # as in NGC containers
+    rc, calls, err = sandbox.run("launch/multinode_local.sh", "job.py", **env)
+    agents = [c for c in calls if c["prog"] == "torchrun"]
+    assert rc == 0 and len(agents) == 2, (rc, err)
+    assert all(a["env"]["TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"] is None for a in agents)
 
 
 def test_multinode_local_fails_when_a_node_fails(sandbox):

@@ -25,6 +25,7 @@ from course_lib.checkpoint.fault_tolerance import LIGHTHOUSE, QUIET
 from course_lib.checkpoint.local_sgd import SYNC_RUNS
 from course_lib.checkpoint.sharded import read_plan, shard_rows
 from course_lib.launch import processes
+from course_lib.launch.backend import visible_gpu
 from course_lib.launch.spec import RunDir, RunSpec
 
 if TYPE_CHECKING:
@@ -158,7 +159,7 @@ def _node(index: int, body: str, backend: str, endpoint: str, rdzv_id: str, rest
         "LOGLEVEL": "INFO",  # the agent logs its rendezvous rounds and restarts
     }
     if backend == "nccl":
-        env["CUDA_VISIBLE_DEVICES"] = str(index)  # one GPU per node: both nodes' rank has LOCAL_RANK 0
+        env["CUDA_VISIBLE_DEVICES"] = visible_gpu(index)  # one GPU per node: both nodes' rank has LOCAL_RANK 0
     spec = RunSpec.create(
         nproc=1,
         backend=backend,

@@ -16,4 +16,5 @@ Importing this package does not import torch (a rank imports it before recording
 from course_lib.launch.backend import LaunchError, available_gpus, resolve_backend
 from course_lib.launch.failures import RankFailedError, RankFailure, RunResult, RunTimeoutError
 from course_lib.launch.launcher import launch, standalone_script
+from course_lib.launch.processes import torchrun_env
 from course_lib.launch.spec import RunSpec

@@ -9,6 +9,8 @@ gloo ranks on a GPU node see no GPU (launch.processes.agent_env), so they behave
 
 from __future__ import annotations
 
+import os
+
 BACKENDS = ("auto", "gloo", "nccl")
 # One process group serves CPU and CUDA tensors under NCCL: gloo carries the CPU ones.
 NCCL_PROCESS_GROUP = "cpu:gloo,cuda:nccl"
@@ -25,6 +27,19 @@ def available_gpus() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def visible_gpu(index: int) -> str:
+    """The name CUDA_VISIBLE_DEVICES gives the `index`-th GPU this process sees, for a child that should see only
+    that one: the index-th entry of an inherited CUDA_VISIBLE_DEVICES (a SLURM job's share of a node: "4,5,6,7"
+    makes GPU 1 "5"; UUIDs stay UUIDs), else the index itself."""
+    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if inherited is None:
+        return str(index)
+    names = [name.strip() for name in inherited.split(",") if name.strip()]
+    if not 0 <= index < len(names):
+        raise LaunchError(f"GPU {index} is not among the {len(names)} in CUDA_VISIBLE_DEVICES={inherited!r}")
+    return names[index]
 
 
 def resolve_backend(requested: str = "auto", nproc: int | None = None) -> str:

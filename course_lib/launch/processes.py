@@ -71,6 +71,13 @@ def agent_env(spec: RunSpec) -> dict[str, str]:
     return env
 
 
+def torchrun_env(nproc: int, backend: str = "auto") -> dict[str, str]:
+    """The environment a `%%torchrun -n NPROC --backend BACKEND` cell gives torchrun (agent_env), for a torchrun
+    started by other means, such as a subprocess: on a GPU node gloo ranks see no GPU and NCCL ranks the node's,
+    with no TF32 override in either; OMP threads shared out over the ranks; rank-prefixed lines under --tee."""
+    return agent_env(RunSpec.create(nproc=nproc, backend=backend))
+
+
 def start_agent(spec: RunSpec, run: RunDir) -> subprocess.Popen:
     """Start torchrun for `run` in a session of its own; it is ended by end_run (or at exit)."""
     proc = subprocess.Popen(

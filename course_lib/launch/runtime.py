@@ -35,7 +35,7 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0, seed: int 
     """Join the process group torchrun described in the environment.
 
     NCCL ranks get one GPU each (cuda:LOCAL_RANK) and a group that serves CPU tensors too
-    (gloo under NCCL_PROCESS_GROUP), with TF32 off so that float32 means float32 on every device;
+    (gloo under NCCL_PROCESS_GROUP), with TF32 off (fp32_in_ieee) so that float32 means float32 on every device;
     gloo ranks run on the CPU. `seed` seeds every RNG identically on all ranks (None leaves them
     alone); use `seed + rank` in the cell when ranks should draw different numbers.
 
@@ -52,8 +52,7 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0, seed: int 
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         kwargs["device_id"] = device  # binds the communicator eagerly; CPU ranks must not pass it
-        torch.backends.cuda.matmul.fp32_precision = "ieee"  # the course's tolerances are float32's
-        torch.backends.cudnn.fp32_precision = "ieee"
+        fp32_in_ieee()  # the course's tolerances are float32's
     else:
         device = torch.device("cpu")
     restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
@@ -67,6 +66,20 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0, seed: int 
     if seed is not None:
         seed_everything(seed)
     return RankContext(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+def fp32_in_ieee() -> None:
+    """float32 matmuls and cuDNN convolutions on CUDA in IEEE float32, not TF32 (a no-op on the CPU's kernels).
+
+    Through the two setters that change torch's legacy TF32 flags and its fp32_precision ones together, so that
+    both read alike. `TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1` (set in NGC containers) turns the legacy matmul flag on
+    when torch loads; `torch.backends.cuda.matmul.fp32_precision = "ieee"` alone then leaves the two disagreeing,
+    and every float32 cuBLAS matmul, which asks `allowTF32CuBLAS()`, raises on the mix. `cudnn.fp32_precision =
+    "ieee"` alone leaves `torch.backends.cudnn.allow_tf32` unreadable the same way. The ranks the course starts
+    run without the variable (`processes.agent_env`); a kernel or a job started by other means may have it.
+    """
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
 
 
 def rank_device() -> torch.device:
