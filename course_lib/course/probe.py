@@ -16,6 +16,33 @@ from typing import Any
 import nbformat
 
 CHECK_WITHIN = 3  # params.check( must be in one of a notebook's first code cells
+# zmq's limit on an ipc:// path (a Unix socket's sun_path, less its closing NUL). Jupyter's runtime directory,
+# ~/.local/share/jupyter/runtime, is HOME plus 29 characters, and a kernel's sockets there HOME plus 79: a
+# 30-character HOME is already too long. The course's kernels keep their sockets in a short private directory.
+SOCKET_PATH_MAX = 107
+SOCKET_NAME = "kernel-ipc"  # jupyter_client binds `{ip}-{n}`, n from 1: the longest is `kernel-ipc-65535`
+PRIVATE_PREFIX = "course-kernel-"  # mkdtemp adds 8 characters
+
+
+def socket_base() -> str:
+    """Where kernel directories go: TMPDIR when sockets there fit zmq's limit, else /tmp; ValueError if neither."""
+    longest = os.path.join(PRIVATE_PREFIX + "x" * 8, f"{SOCKET_NAME}-65535")
+    tried = []
+    for base in dict.fromkeys([tempfile.gettempdir(), "/tmp"]):
+        path = os.path.join(base, longest)
+        if len(path) <= SOCKET_PATH_MAX and os.path.isdir(base) and os.access(base, os.W_OK | os.X_OK):
+            return base
+        tried.append(f"{base} ({len(path)} characters with a socket's name)")
+    raise ValueError(
+        f"no directory for a kernel's sockets within zmq's {SOCKET_PATH_MAX} characters: tried "
+        + ", ".join(tried)
+        + "; set TMPDIR to a short writable directory (export TMPDIR=/tmp)"
+    )
+
+
+def private_dir(prefix: str = PRIVATE_PREFIX) -> Path:
+    """A new directory (mode 0700: only this user reaches the sockets in it) short enough for a kernel's sockets."""
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=socket_base()))
 
 
 def setup_cells(nb: Any) -> tuple[str, list[str]]:
@@ -36,7 +63,12 @@ class Kernel:
     def __init__(self, cwd: Path, env: dict[str, str], ipc_path: Path) -> None:
         from jupyter_client import KernelManager
 
-        self.km = KernelManager(kernel_name="python3", transport="ipc", ip=str(ipc_path))
+        self.km = KernelManager(
+            kernel_name="python3",
+            transport="ipc",
+            ip=str(ipc_path),
+            connection_file=str(ipc_path.parent / "kernel.json"),  # beside the sockets, not in Jupyter's runtime dir
+        )
         self.km.start_kernel(cwd=str(cwd), env=env)
         self.kc = self.km.client()
         self.kc.start_channels()
@@ -91,8 +123,8 @@ class ProbeError(Exception):
 
 
 def start_kernel(cwd: Path, tmp: Path) -> Kernel:
-    """A kernel in the notebook's directory, for its parameters and setup cells alone."""
-    return Kernel(cwd, kernel_env(tmp), tmp / "kernel-ipc")
+    """A kernel in the notebook's directory, for its parameters and setup cells alone (sockets in `tmp`: short)."""
+    return Kernel(cwd, kernel_env(tmp), tmp / SOCKET_NAME)
 
 
 def choose_nproc(path: Path, up_to: int, parameters: dict) -> tuple[int | None, str]:
@@ -106,7 +138,7 @@ def choose_nproc(path: Path, up_to: int, parameters: dict) -> tuple[int | None, 
         setup_cells(nb)
     except (ValueError, StopIteration) as error:  # StopIteration: no cell tagged parameters
         raise ProbeError(f"cannot choose NPROC: {error or 'no cell tagged parameters'}") from None
-    with tempfile.TemporaryDirectory(prefix="course-probe-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=PRIVATE_PREFIX, dir=socket_base()) as tmp:
         kernel = start_kernel(path.parent, Path(tmp))
         try:
             setup, refusal = Setup(nb, kernel), ""
