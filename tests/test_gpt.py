@@ -273,17 +273,20 @@ def test_rows_on_mesh_checker_accepts_the_fix_and_names_the_wrong_rows():
 @pytest.mark.parametrize(
     ("name", "peak"),
     [
-        ("NVIDIA H100 80GB HBM3", 67e12),  # SXM
-        ("NVIDIA H100 PCIe", 51e12),
-        ("NVIDIA H100 NVL", 60e12),
-        ("NVIDIA H200", 67e12),  # the H100 SXM's compute
-        ("NVIDIA H200 NVL", 60e12),
-        ("NVIDIA GH200 480GB", 67e12),
-        ("NVIDIA A100-SXM4-80GB", 19.5e12),
-        ("NVIDIA A100 80GB PCIe", 19.5e12),
-        ("NVIDIA A10", 31.2e12),  # not an A100
-        ("Tesla V100-PCIE-16GB", 14e12),
-        ("Tesla V100-SXM2-32GB", 15.7e12),
+        ("NVIDIA H100 80GB HBM3", 989e12),  # SXM: bf16 dense, MFU's denominator
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H100 NVL", 835e12),
+        ("NVIDIA H200", 989e12),  # the H100 SXM's compute
+        ("NVIDIA H200 NVL", 835e12),
+        ("NVIDIA GH200 480GB", 989e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA A100 80GB PCIe", 312e12),
+        ("NVIDIA A10", 125e12),  # not an A100
+        ("NVIDIA A10G", None),  # not an A10
+        ("NVIDIA L4", 121e12),
+        ("NVIDIA L40S", 362e12),  # not an L4
+        ("NVIDIA L40", None),
+        ("Tesla V100-SXM2-32GB", None),  # no bf16 tensor cores
         ("NVIDIA GeForce RTX 4090", None),
     ],
 )

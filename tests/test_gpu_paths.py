@@ -111,3 +111,111 @@ def test_a_torchrun_started_by_hand_gets_what_a_cell_gives_its_ranks(monkeypatch
     assert env.get("CUDA_VISIBLE_DEVICES") == hidden
     assert "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE" not in env
     assert env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] == "[rank${rank}]: "
+
+
+# ---- float8: torchao's real recipe where the GPU has float8 tensor cores ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("capability", "real"),
+    [((7, 0), False), ((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True), ((12, 0), True)],
+    ids=["V100", "A100", "A10", "L4-Ada", "H100", "Blackwell"],
+)
+def test_float8_recipe_is_real_from_sm89_and_emulated_below(monkeypatch, capability, real):
+    import torch
+
+    from course_lib import precision
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    recipe = precision.float8_recipe(torch.device("cuda", 0))
+    assert recipe.emulate is not real and recipe.enable_fsdp_float8_all_gather
+    assert recipe.pad_inner_dim is real  # a rank's rows (48 / NPROC) are rarely a multiple of 16
+    assert recipe.gemm_config_output.use_fast_accum  # torchao's default, kept
+    assert precision.float8_recipe(torch.device("cpu")).emulate
+
+
+# One rank of a gloo group, the SM89+ branch forced: torch's CPU scaled_mm runs the matmuls a GPU's float8 tensor
+# cores would, and every call is recorded. 40 rows per step: not a multiple of 16.
+REAL_RECIPE_ON_CPU = """
+import json, os, sys
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:" + sys.argv[2])
+from course_lib.precision import float8, float8_width, rank_batches
+if sys.argv[1] == "real":
+    float8.float8_tensor_cores = lambda device: True
+shapes, scaled_mm = [], torch._scaled_mm
+def recording(a, b, *args, **kwargs):
+    shapes.append((tuple(a.shape), tuple(b.shape)))
+    return scaled_mm(a, b, *args, **kwargs)
+torch._scaled_mm = recording
+cpu = torch.device("cpu")
+run = float8.train_fsdp("float8", rank_batches(3, 40, cpu), width=float8_width(1), lr=2.0, device=cpu)
+print(json.dumps({"shapes": shapes, "emulated": run["emulated"], "losses": run["losses"],
+                  "modules": run["float8_modules"], "scales_ok": run["scales_are_max_over_amax"]}))
+dist.destroy_process_group()
+"""
+
+
+def free_port() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def test_the_real_float8_recipe_calls_scaled_mm_with_dims_cuda_accepts_and_learns_as_emulation():
+    import json
+
+    runs = {}
+    for kind in ("emulated", "real"):
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        code = [sys.executable, "-c", REAL_RECIPE_ON_CPU, kind, free_port()]
+        done = subprocess.run(code, capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        runs[kind] = json.loads(done.stdout.strip().splitlines()[-1])
+    emulated, real = runs["emulated"], runs["real"]
+    assert emulated["shapes"] == [] and all(emulated["emulated"])
+    assert not any(real["emulated"]) and real["scales_ok"] and len(real["modules"]) == 2
+    assert len(real["shapes"]) == 3 * 2 * 3  # steps x float8 Linears x (output, grad input, grad weight)
+    # CUDA's scaled_mm wants K and N multiples of 16: the weight gradient's K is the 40 rows, padded to 48
+    assert all(a[1] % 16 == 0 and b[1] % 16 == 0 for a, b in real["shapes"]), real["shapes"]
+    assert any(a[1] == 48 for a, _ in real["shapes"])
+    tolerance = 2.0**-4 * emulated["losses"][0]  # notebook 04's bound between float8 and bf16, here the two float8s
+    assert max(abs(a - b) for a, b in zip(real["losses"], emulated["losses"])) < tolerance
+
+
+# ---- the capstone's MFU: against the bf16 dense peak of the GPU it runs on -------------------------------------
+
+
+def test_mfu_divides_by_the_bf16_dense_peak_of_the_gpu_and_a_cpu_gets_none(monkeypatch):
+    import torch
+
+    from course_lib import gpt
+    from course_lib.gpt import lab
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert gpt.device_peak_flops("cuda:0") == 989e12 and gpt.device_peak_flops("cpu") is None
+    summary = {"seconds_per_step": 2.0, "flops_per_step": 2 * 98.9e12, "tokens_per_step": 1024, "limit_flops": 5e13}
+    assert lab.achieved({**summary, "peak_flops": 989e12})["mfu"] == pytest.approx(0.1)
+    assert lab.achieved({**summary, "peak_flops": 0.0})["mfu"] == 0.0  # a CPU: no MFU, the limit column instead
+
+
+# ---- what a `%%torchrun` cell says it got, on a GPU node ---------------------------------------------------------
+
+
+def test_a_no_init_cell_does_not_claim_a_backend(monkeypatch, capsys):
+    """Notebook 10's RPC cells (`--no-init`) on a node of 2 GPUs: 'auto' resolves to nccl, which no one sets up."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from course_lib.launch import backend
+
+    monkeypatch.setattr(backend, "available_gpus", lambda: 2)
+    assert backend.describe("nccl", 2) == "backend nccl: 2 ranks, one GPU each (2 on this node)\n"
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "course_lib")
+    capsys.readouterr()
+    ip.run_cell_magic("torchrun", "-n 2 --no-init", "print('no group here')\n")
+    said = capsys.readouterr().out
+    assert said.startswith("--no-init: 2 ranks, no process group made for them, the node's GPUs visible to them")
+    assert "nccl" not in said and "one GPU each" not in said and said.count("no group here") == 2

@@ -162,7 +162,7 @@ def speed_table(summaries: list[dict[str, Any]]) -> str:
             f"{s['limit_flops'] / 1e9:>8.2f} {a['of_limit']:>9.2f} {mfu}"
         )
     if not any(s["peak_flops"] for s in summaries):
-        lines.append("MFU: no data-sheet peak here (a CPU); on a listed GPU this column divides by its fp32 peak")
+        lines.append("MFU: no data-sheet peak here (a CPU); on a listed GPU this column divides by its bf16 dense peak")
     return "\n".join(lines)
 
 

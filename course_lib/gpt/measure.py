@@ -3,7 +3,7 @@
 - :func:`counted_flops`: torch's FlopCounterMode over a forward and backward, with the CPU's flash-attention
   kernels given the formula torch already uses for the GPU's;
 - :func:`matmul_flops`: the FLOP/s square matmuls get on this rank, now (the machine's limit here);
-- :func:`device_peak_flops`: a GPU's data-sheet fp32 peak, for MFU;
+- :func:`device_peak_flops`: a GPU's data-sheet bf16 dense peak, for MFU;
 """
 
 from __future__ import annotations
@@ -15,23 +15,25 @@ import torch
 
 from course_lib.launch.runtime import synchronize
 
-# fp32 (not TF32) dense peak from the data sheets, FLOP/s: what an fp32 run can reach. The first entry whose
-# parts all occur in the device's name (any case) wins, so a variant comes before its family: an H100 PCIe
-# ("NVIDIA H100 PCIe") runs at 51 TFLOP/s where the SXM part ("NVIDIA H100 80GB HBM3") runs at 67, and an
-# A100 is not an A10. The H200 (and the GH200's GPU) has the H100 SXM's compute with more, faster memory; the
-# NVL cards of both run at 60.
-FP32_PEAK: tuple[tuple[tuple[str, ...], float], ...] = (
-    (("H100", "PCIe"), 51e12),
-    (("H100", "NVL"), 60e12),
-    (("H100",), 67e12),
-    (("H200", "NVL"), 60e12),
-    (("H200",), 67e12),
-    (("A100",), 19.5e12),
-    (("L40S",), 91.6e12),
-    (("A10",), 31.2e12),
-    (("V100S",), 16.4e12),
-    (("V100", "PCIe"), 14e12),
-    (("V100",), 15.7e12),
+# bf16 dense tensor-core peak from NVIDIA's data sheets, FLOP/s: MFU's usual denominator (torchtitan's, and most
+# published runs'), whatever dtype the run computes in. Most sheets give the peak with 2:4 sparsity, twice the dense
+# one: H100 Tensor Core GPU: BF16 1,979 TFLOPS (SXM), 1,671 (NVL), 1,513 (PCIe); H200: 1,979 (SXM), 1,671 (NVL);
+# A100: 312 dense (SXM and PCIe); L40S: 362.05 dense; L4: 242 with sparsity; A10: 125 dense. The first entry whose
+# parts all occur in the device's name (any case) wins, so a variant comes before its family: an H100 PCIe ("NVIDIA
+# H100 PCIe") before the SXM part ("NVIDIA H100 80GB HBM3", like the GH200's GPU), the A100 before the A10, the L40S
+# before the L4. Unlisted (None): the L40 and AWS's A10G (other parts, other peaks), the V100 (no bf16 tensor cores).
+BF16_DENSE_PEAK: tuple[tuple[tuple[str, ...], float | None], ...] = (
+    (("H100", "PCIe"), 756e12),
+    (("H100", "NVL"), 835e12),
+    (("H100",), 989e12),
+    (("H200", "NVL"), 835e12),
+    (("H200",), 989e12),
+    (("A100",), 312e12),
+    (("L40S",), 362e12),
+    (("L40",), None),
+    (("L4",), 121e12),
+    (("A10G",), None),
+    (("A10",), 125e12),
 )
 
 
@@ -85,13 +87,13 @@ def matmul_flops(device: torch.device | str = "cpu", n: int | None = None, secon
 
 
 def peak_flops_of(name: str) -> float | None:
-    """The data-sheet fp32 peak of the GPU torch.cuda.get_device_name calls `name` (None if unlisted)."""
+    """The data-sheet bf16 dense peak of the GPU torch.cuda.get_device_name calls `name` (None if unlisted)."""
     name = name.lower()
-    return next((peak for parts, peak in FP32_PEAK if all(part.lower() in name for part in parts)), None)
+    return next((peak for parts, peak in BF16_DENSE_PEAK if all(part.lower() in name for part in parts)), None)
 
 
 def device_peak_flops(device: torch.device | str) -> float | None:
-    """The data-sheet fp32 peak of one GPU (None on a CPU or an unlisted GPU)."""
+    """The data-sheet bf16 dense peak of one GPU (None on a CPU or an unlisted GPU)."""
     device = torch.device(device)
     if device.type != "cuda":
         return None

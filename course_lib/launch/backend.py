@@ -70,11 +70,17 @@ def backend_for(nproc: int, requested: str = "auto") -> str:
     return "gloo" if requested == "gloo" else resolve_backend("auto", nproc)
 
 
-def describe(backend: str, nproc: int) -> str:
-    """One line saying what a run got, on a machine with GPUs ('' without: there gloo is the only choice)."""
+def describe(backend: str, nproc: int, init: bool = True) -> str:
+    """One line saying what a run got, on a machine with GPUs ('' without: there gloo is the only choice).
+
+    `init=False` (`--no-init`): no process group is made, so no backend either: the line says which GPUs the ranks
+    see, and the cell decides what to use (RPC's cells in notebook 10 use none)."""
     gpus = available_gpus()
     if not gpus:
         return ""
+    if not init:
+        seen = "the node's GPUs visible to them" if backend == "nccl" else "GPUs hidden from them"
+        return f"--no-init: {nproc} ranks, no process group made for them, {seen} ({gpus} on this node)\n"
     if backend == "nccl":
         return f"backend nccl: {nproc} ranks, one GPU each ({gpus} on this node)\n"
     return f"backend gloo: {nproc} ranks as CPU processes, GPUs hidden from them ({gpus} on this node)\n"

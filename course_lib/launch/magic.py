@@ -97,7 +97,7 @@ class TorchrunMagics(Magics):
             # The backend as asked: "auto" in a saved script picks on the machine that runs it.
             backend = flags.get("backend", RunSpec.backend)
             Path(save).write_text(standalone_script(cell, backend=backend, init=spec.init, nproc=spec.nproc))
-        print(describe(spec.backend, spec.nproc), end="")  # on a GPU node: what 'auto' picked for these ranks
+        print(describe(spec.backend, spec.nproc, spec.init), end="")  # on a GPU node: what 'auto' picked for them
         result = run_cell(spec, cell, {n: shell.user_ns[n] for n in spec.push})
         shell.user_ns.update(result.values)
         shell.user_ns["_torchrun"] = result

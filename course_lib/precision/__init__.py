@@ -15,6 +15,8 @@ from course_lib.precision.checkers import check_clipped_scaler_step, check_found
 from course_lib.precision.float8 import (
     cast_error,
     float8_filter,
+    float8_recipe,
+    float8_tensor_cores,
     float8_width,
     formats_table,
     from_float8,

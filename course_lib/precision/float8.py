@@ -4,6 +4,7 @@
 - to_float8 / from_float8: a scaled cast from scratch, per tensor or per row (what torchao does per tensor)
 - why_high_precision / float8_filter: which Linears `convert_to_float8_training` should leave alone
 - float8_width: a hidden width whose float8 weights split evenly over the ranks
+- float8_recipe: torchao's recipe on float8 tensor cores (SM89+), emulated elsewhere
 - train_fsdp: FSDP2 training in fp32, with the bf16 policy, or in float8 with the float8 all-gather
 - matmul_and_linear_seconds: float8 against bf16 on one device (the speed-up needs a GPU of SM89 or later)
 
@@ -141,6 +142,26 @@ def float8_width(world_size: int, about: int = 256) -> int:
     return step * math.ceil(about / step)
 
 
+def float8_tensor_cores(device: torch.device) -> bool:
+    """Whether `device` multiplies float8 on tensor cores: a CUDA GPU of compute capability 8.9 (Ada) or later."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def float8_recipe(device: torch.device) -> Any:
+    """torchao's tensor-wise Float8LinearConfig with the float8 all-gather, for `device`.
+
+    On float8 tensor cores the real recipe with torchao's defaults (scaled_mm, fast accumulation in the output's
+    matmul) and `pad_inner_dim`: scaled_mm wants every dim a multiple of 16, and the weight gradient's matmul runs over
+    a rank's rows of the batch (48 / NPROC in notebook 04), which torchao then pads with zeros. Elsewhere (the CPU,
+    older GPUs) emulated: the same casts and scales, the products in fp32.
+    """
+    from torchao.float8 import Float8LinearConfig
+
+    if float8_tensor_cores(device):
+        return Float8LinearConfig(enable_fsdp_float8_all_gather=True, pad_inner_dim=True)
+    return Float8LinearConfig(emulate=True, enable_fsdp_float8_all_gather=True)
+
+
 # ---- FSDP2 training --------------------------------------------------------------------------------------------------
 
 FSDP_KINDS = ("fp32", "bf16", "float8")
@@ -158,11 +179,11 @@ def train_fsdp(
 
     "fp32": no policy; "bf16": MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32); "float8": the same policy,
     and the Linears that float8_filter accepts swapped for torchao's Float8Linear with the float8 all-gather
-    (emulated float8 matmuls, so it runs on any device).
+    (float8_recipe: on float8 tensor cores where the device has them, emulated elsewhere).
 
     Returns the loss of each step (averaged over the ranks), the bytes of each all-gather in the first forward, the
-    calls of the first step and of every precompute, and the float8 weights' scales after each step, each checked
-    against max(e4m3) / amax of the full weight.
+    calls of the first step and of every precompute, the float8 weights' scales after each step, each checked
+    against max(e4m3) / amax of the full weight, and whether each Float8Linear emulated its matmuls.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -172,11 +193,11 @@ def train_fsdp(
     model = MLP(d_hidden=width, n_layers=2).to(device)
     float8_modules: dict[str, nn.Module] = {}
     if kind == "float8":
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.float8 import convert_to_float8_training
         from torchao.float8.float8_linear import Float8Linear
 
-        config = Float8LinearConfig(emulate=True, enable_fsdp_float8_all_gather=True)
-        convert_to_float8_training(model, config=config, module_filter_fn=float8_filter(dist.get_world_size()))
+        recipe = float8_recipe(device)
+        convert_to_float8_training(model, config=recipe, module_filter_fn=float8_filter(dist.get_world_size()))
         float8_modules = {name: m for name, m in model.named_modules() if isinstance(m, Float8Linear)}
     policy = MixedPrecisionPolicy() if kind == "fp32" else MixedPrecisionPolicy(torch.bfloat16, torch.float32)
     shard_layers_then_root(model, mp_policy=policy)
@@ -220,6 +241,8 @@ def train_fsdp(
         dist.all_reduce(mean_loss)
         result["losses"].append(mean_loss.item() / dist.get_world_size())
     result["float8_modules"] = list(float8_modules)
+    result["emulated"] = [cast(Any, m).config.emulate for m in float8_modules.values()]
+    result["float8_tensor_cores"] = float8_tensor_cores(device)
     return result
 
 
