@@ -219,3 +219,40 @@ def test_a_no_init_cell_does_not_claim_a_backend(monkeypatch, capsys):
     said = capsys.readouterr().out
     assert said.startswith("--no-init: 2 ranks, no process group made for them, the node's GPUs visible to them")
     assert "nccl" not in said and "one GPU each" not in said and said.count("no group here") == 2
+
+
+# ---- notebook 12's NCCL timeout under TORCH_NCCL_BLOCKING_WAIT=1 -------------------------------------------------
+
+
+def test_a_rank_whose_blocking_wait_raises_lets_the_watchdog_finish_its_dump(tmp_path, monkeypatch):
+    """The rank's script, with fakes: its second all-reduce raises at the call (the blocking wait's timeout) while
+    another thread (the watchdog's) writes the flight recorder's dump half a second later; the exception must not
+    end the rank before the dump is there."""
+    import threading
+    import time
+    import types
+
+    from course_lib.debugging import lab
+
+    monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", str(tmp_path / "rank_"))
+    dump = tmp_path / "rank_0"
+
+    class DistBackendError(RuntimeError):
+        pass
+
+    calls = []
+
+    def all_reduce(x, group=None):
+        calls.append(group)
+        if len(calls) == 2:
+            threading.Timer(0.5, dump.write_bytes, args=(b"entries",)).start()
+            raise DistBackendError("Watchdog caught collective operation timeout")
+
+    fake_dist = types.SimpleNamespace(new_group=lambda timeout: "group 1", all_reduce=all_reduce)
+    fake_torch = types.SimpleNamespace(ones=lambda *a, **k: None, cuda=types.SimpleNamespace(synchronize=lambda: None))
+    names = {"dist": fake_dist, "torch": fake_torch, "device": "cuda:0", "rank": 0, "world_size": 2, "TIMEOUT_S": 1}
+    start = time.monotonic()
+    with pytest.raises(DistBackendError):
+        exec(lab.STUCK_ALL_REDUCE, names)
+    assert calls == ["group 1", "group 1"] and dump.read_bytes() == b"entries"
+    assert time.monotonic() - start >= 1.4  # the dump's 0.5 s, then a second for its last bytes

@@ -86,8 +86,10 @@ def nccl_log(lines: Iterable[str]) -> list[str]:
 
 # The last rank skips the second all-reduce; the others wait in it until the group's timeout.
 STUCK_ALL_REDUCE = """
+import os
 import time
 from datetime import timedelta
+from pathlib import Path
 
 group = dist.new_group(timeout=timedelta(seconds=TIMEOUT_S))  # process group "1" in the flight recorder
 x = torch.ones(4, device=device)
@@ -96,8 +98,16 @@ torch.cuda.synchronize()
 if rank == world_size - 1:
     time.sleep(20 * TIMEOUT_S)  # skips the next all-reduce; torchrun ends it when the others fail
 else:
-    dist.all_reduce(x, group=group)  # never completes
-    torch.cuda.synchronize()  # the host waits here, until the watchdog (or a blocking wait) ends it
+    try:
+        dist.all_reduce(x, group=group)  # never completes
+        torch.cuda.synchronize()  # the host waits here, until the watchdog (or a blocking wait) ends it
+    finally:
+        # Under TORCH_NCCL_BLOCKING_WAIT=1 the timeout raises here, in this thread, while the watchdog's thread
+        # writes the flight recorder's dump: the exception would end the process before the dump is whole.
+        dump, deadline = Path(os.environ["TORCH_FR_DUMP_TEMP_FILE"] + str(rank)), time.monotonic() + 3 * TIMEOUT_S
+        while not dump.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)  # the writer's last bytes
 """
 
 
