@@ -7,6 +7,7 @@
 #   launch/gpu_node.sh 03 05           # some notebooks (name prefixes)
 #   NPROC=4 launch/gpu_node.sh 03      # force NPROC=4 (a notebook that refuses 4 fails)
 #   REFRESH_VENV=1 launch/gpu_node.sh  # reinstall .venv if pyproject.toml changed (needs pip's index)
+# Before class, run launch/check_node.sh on the node first: it reports in under a minute what would break here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The venv as `make course` sets it up (on a GPU node pip takes torch's CUDA build). An existing .venv whose
@@ -23,7 +24,8 @@ else
 fi
 GPUS=$(.venv/bin/python -c "import torch; print(torch.cuda.device_count())")
 if [ "$GPUS" -lt 1 ]; then
-    echo "no CUDA GPU visible (torch.cuda.device_count() == 0): use 'make course' for CPU runs" >&2
+    echo "no CUDA GPU visible (torch.cuda.device_count() == 0): use 'make course' for CPU runs" \
+        "(launch/check_node.sh says why torch sees none)" >&2
     exit 1
 fi
 if [ -n "${NPROC:-}" ]; then
