@@ -2,7 +2,7 @@
 
 nbval (``make test``, see the Makefile) separately re-executes the notebooks at their default
 parameters and compares with the stored outputs. The papermill runs at other NPROCs are marked
-`sweep` and run with ``make test-ranks`` (TEST_NPROCS=1,2,4,8 for the full sweep); so does each notebook's
+`sweep` and run with ``make test-ranks`` (TEST_NPROCS=1,2,4,6,8 for the full sweep); so does each notebook's
 setup at NPROC 1-8 on faked GPU counts (tests/test_gpu_counts.py).
 """
 
@@ -22,6 +22,7 @@ from notebook_kit import write_notebook
 
 from course_lib.course import probe, runner
 from course_lib.exercises import PREDICTION_METADATA
+from tools.editions import ANSWER
 
 NOTEBOOKS = runner.find_notebooks([])
 
@@ -95,11 +96,12 @@ def test_stored_notebook_is_clean(path):
 # ---- predict, then see: nothing above a prediction shows its answer -----------------------------
 
 
-def predictions(nb) -> list[tuple[int, str, float, str]]:
-    """(prompt cell, name, measured, unit) of each check_prediction verdict: the prompt is the cell that sets the
-    learner's variable (``predicted_x = None``), the measured value comes from the verdict's output metadata."""
+def predictions(nb) -> list[tuple[int, int, str, float, str]]:
+    """(prompt cell, check cell, name, measured, unit) of each check_prediction verdict: the prompt is the cell
+    that sets the learner's variable (``predicted_x = None``), the measured value comes from the verdict's output
+    metadata."""
     found = []
-    for cell in nb.cells:
+    for index, cell in enumerate(nb.cells):
         for out in cell.get("outputs", []):
             verdict = out.get("metadata", {}).get(PREDICTION_METADATA)
             if not verdict:
@@ -113,7 +115,7 @@ def predictions(nb) -> list[tuple[int, str, float, str]]:
             variable = calls[0].args[1].id
             prompts = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and sets_to_none(c.source, variable)]
             assert len(prompts) == 1, f"{variable} = None should be set in one cell, found {prompts}"
-            found.append((prompts[0], verdict["name"], verdict["measured"], verdict.get("unit", "")))
+            found.append((prompts[0], index, verdict["name"], verdict["measured"], verdict.get("unit", "")))
     return found
 
 
@@ -123,9 +125,9 @@ def sets_to_none(source: str, variable: str) -> bool:
 
 def renderings(value: float) -> set[str]:
     """The ways a notebook might print `value`: digits with or without separators, rounded to 3-6 significant
-    digits, scaled to k/M/G (and Ki/Mi/Gi with decimals: "4096" KiB is any 4096), as a percentage. None for a value
-    of one significant digit, and no form of fewer than 3 digits (2 for a percentage): "3" or "0.1" are everywhere
-    on a page and prove nothing."""
+    digits, scaled to k/M/G (and to KiB/MiB/GiB with decimals and the unit: "7.000" alone is any 7), as a
+    percentage. None for a value of one significant digit, and no form of fewer than 3 digits (2 for a percentage):
+    "3" or "0.1" are everywhere on a page and prove nothing."""
     if significant_digits(f"{value:.15g}".rstrip("0")) < 2:
         return set()
     forms: set[str] = set()
@@ -133,8 +135,8 @@ def renderings(value: float) -> set[str]:
         if float(v).is_integer():
             forms |= {f"{int(v)}", f"{int(v):,}"}
         forms |= {f"{v:.{d}f}" for d in (1, 2, 3)} | {f"{v:.{g}g}" for g in (3, 4, 5, 6)}
-    for v in [value / s for s in (2**10, 2**20, 2**30) if abs(value) / s >= 1]:  # KiB, MiB, GiB: with decimals
-        forms |= {f"{v:.{d}f}" for d in (1, 2, 3)}
+    for v, unit in [(value / s, u) for s, u in ((2**10, "KiB"), (2**20, "MiB"), (2**30, "GiB")) if abs(value) >= s]:
+        forms |= {f"{v:.{d}f}{space}{unit}" for d in (1, 2, 3) for space in ("", " ")}  # "7.000" alone: any 7
     forms = {f for f in forms if significant_digits(f) >= 3}
     if 0 < abs(value) < 1:
         forms |= {f"{100 * value:.{d}f}%" for d in (0, 1, 2) if significant_digits(f"{100 * value:.{d}f}") >= 2}
@@ -164,14 +166,19 @@ def page_text(cell) -> str:
 DURATION_UNITS = ("ns", "us", "µs", "ms", "s")
 
 
-def answers_shown_too_early(nb, *, require_distinct: bool = False) -> list[str]:
-    """Each prediction whose measured value appears, in any rendering, in a cell up to its prompt."""
+def answers_shown_too_early(nb, *, require_distinct: bool = False, until_check: bool = False) -> list[str]:
+    """Each prediction whose measured value appears, in any rendering, in a cell up to its prompt; with `until_check`,
+    also in a cell between the prompt and the check that is not folded (tagged `answer`: the learner's copy and the
+    site fold it, tools/editions.py)."""
     problems = []
-    for prompt, name, measured, unit in predictions(nb):
+    for prompt, check, name, measured, unit in predictions(nb):
         forms = renderings(measured)
         if require_distinct and not forms:
             problems.append(f"{name}: the answer {measured:g} is too short to tell apart from other numbers")
-        above = "\n".join(page_text(cell) for cell in nb.cells[: prompt + 1])
+        shown = nb.cells[: prompt + 1]
+        if until_check:
+            shown += [c for c in nb.cells[prompt + 1 : check] if ANSWER not in c.metadata.get("tags", [])]
+        above = "\n".join(page_text(cell) for cell in shown)
         # A duration or a rate printed above ("plain 29.1 ms", "29.1 MB/s") is a timing that varies run to run,
         # not a byte or FLOP count rendered: it gives the answer away only when the answer is itself a time.
         not_a_duration = "" if unit in DURATION_UNITS else rf"(?!\s?(?:{'|'.join(DURATION_UNITS)})\b|\s?\w*/s\b)"
@@ -179,19 +186,22 @@ def answers_shown_too_early(nb, *, require_distinct: bool = False) -> list[str]:
             match = re.search(rf"(?<![\d.,])(?<!\d[.,]){re.escape(form)}(?!\d|[.,]\d){not_a_duration}", above)
             if match:
                 context = above[max(0, match.start() - 60) : match.end() + 20].replace("\n", " ")
-                problems.append(
-                    f"{name}: its answer {measured:g} shows above the prompt (cell {prompt}) as {context!r}"
+                where = (
+                    f"above its check (cell {check}) unfolded" if until_check else f"above the prompt (cell {prompt})"
                 )
+                problems.append(f"{name}: its answer {measured:g} shows {where} as {context!r}")
                 break
     return problems
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_predictions_come_before_their_answers(path):
-    """Every predict exercise is asked before anything on the page shows its answer (the stored run)."""
+    """Every predict exercise is asked before anything on the page shows its answer, and between the question and its
+    check only cells tagged `answer` (folded on the site and in the learner's copy) show it (the stored run)."""
     nb = nbformat.read(path, as_version=4)
     assert predictions(nb), "no check_prediction verdict with its measured value: refresh with `make outputs`"
     assert answers_shown_too_early(nb, require_distinct=True) == []
+    assert answers_shown_too_early(nb, until_check=True) == [], "fold these cells: tag them `answer`"
 
 
 def test_a_prediction_shown_too_early_is_caught():
@@ -207,6 +217,12 @@ def test_a_prediction_shown_too_early_is_caught():
     assert problem.startswith("bytes: its answer 226176 shows above the prompt (cell 1) as 'measure() DP 226.2 kB")
     late = nbformat.v4.new_notebook(cells=[prompt, measure, check_cell])
     assert answers_shown_too_early(late) == []
+    # between the question and its check the answer must be folded: a cell tagged `answer`
+    (problem,) = answers_shown_too_early(late, until_check=True)
+    assert problem.startswith("bytes: its answer 226176 shows above its check (cell 2) unfolded as")
+    measure.metadata["tags"] = [ANSWER]
+    assert answers_shown_too_early(late, until_check=True) == []
+    measure.metadata["tags"] = []
     # a timing that happens to read like the answer scaled ("226.2 ms" beside 226176 B) does not give it away,
     # unless the answer is a time
     timing = nbformat.v4.new_code_cell(
@@ -217,6 +233,8 @@ def test_a_prediction_shown_too_early_is_caught():
     check_cell.outputs[0].metadata = verdict["metadata"]
     assert len(answers_shown_too_early(nbformat.v4.new_notebook(cells=[timing, prompt, check_cell]))) == 1
     assert renderings(3.0) == set() and "11%" in renderings(1 / 9) and "2.50" in renderings(2.5e9)
+    # 7 MiB (notebook 01's answer at 8 ranks) is "7.00 MiB", not the bus factor "7.000" a table prints beside it
+    assert "7.00 MiB" in renderings(7 * 2**20) and "7.000" not in renderings(7 * 2**20)
 
 
 def test_runner_reports_failing_cell_and_rank(tmp_path, capsys):

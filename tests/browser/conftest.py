@@ -1,8 +1,9 @@
 """Fixtures of the browser smoke test: a private JupyterLab server and headless Chromium.
 
 `lab` starts JupyterLab on a free 127.0.0.1 port with a token, private Jupyter config, data,
-runtime, settings and workspace directories, on a temporary copy of notebooks/*.ipynb (the stored
-notebooks are never modified). Every process it starts (server, kernels, torchrun agents, ranks)
+runtime, settings and workspace directories, on a learner's copy of the notebooks made in a temporary
+folder as `make lab` makes practice/ (outputs cleared; the stored notebooks are never modified).
+Every process it starts (server, kernels, torchrun agents, ranks)
 carries a marker in its environment; teardown stops the server and fails the test if any
 marked process is still alive afterwards (after killing it).
 
@@ -15,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -29,6 +29,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from tools import editions
 
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "build" / "browser"  # screenshots and the server log, for a human to look at
@@ -169,9 +171,8 @@ def _stop(lab: Lab) -> list[str]:
 def lab(tmp_path_factory):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     home = tmp_path_factory.mktemp("jupyter-home")
-    root = tmp_path_factory.mktemp("notebooks")
-    for notebook in (REPO / "notebooks").glob("*.ipynb"):  # only notebooks: other runs may leave sockets there
-        shutil.copy(notebook, root)
+    root = tmp_path_factory.mktemp("practice")
+    editions.make_practice(root)  # the learner's copy, as `make lab` opens it: no output until a cell runs
     for name, values in LAB_SETTINGS.items():
         path = home / "settings" / name
         path.parent.mkdir(parents=True, exist_ok=True)
