@@ -24,7 +24,12 @@ def test_the_learners_copy_has_every_notebook_no_output_and_answers_folded(tmp_p
     with_outputs, answers = [], 0
     for stored, copy in zip(NOTEBOOKS, copies):
         original, nb = nbformat.read(stored, as_version=4), nbformat.read(copy, as_version=4)
-        assert [c.source for c in nb.cells] == [c.source for c in original.cells]  # every cell, nothing else changed
+        # every cell, unchanged but for the line that says a folded cell holds an answer
+        assert [c.source for c in nb.cells] == [
+            (f"# {editions.FOLDED}\n" if c.cell_type == "code" else f"*{editions.FOLDED}*\n\n") * editions.is_answer(c)
+            + c.source
+            for c in original.cells
+        ]
         with_outputs += [(copy.name, i) for i, c in enumerate(nb.cells) if c.get("outputs") or c.get("execution_count")]
         for cell in nb.cells:
             folded = cell.metadata.get("jupyter", {}).get("source_hidden", False)

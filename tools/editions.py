@@ -43,14 +43,19 @@ def is_answer(cell) -> bool:
 # ---- the learner's copy ------------------------------------------------------------------------------------------
 
 
+FOLDED = "An answer, folded: open it once you have yours."  # the one line JupyterLab shows of a folded cell
+
+
 def learner_copy(nb):
-    """The notebook with no output and every answer cell folded (JupyterLab shows a bar to click)."""
+    """The notebook with no output and every answer cell folded (JupyterLab shows a bar with its first line)."""
     nb = nbformat.from_dict(nb)
     for cell in nb.cells:
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
         if is_answer(cell):
             cell.metadata["jupyter"] = {"source_hidden": True, "outputs_hidden": True}
+            first = f"# {FOLDED}" if cell.cell_type == "code" else f"*{FOLDED}*\n"
+            cell.source = f"{first}\n{cell.source}"
     nb.metadata.pop("widgets", None)  # the explorers' saved widget state: an output too
     nb.metadata["course"] = {"made_from": fingerprint(nb)}
     return nb
