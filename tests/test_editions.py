@@ -48,12 +48,18 @@ def course(tmp_path):
     return tmp_path / "notebooks"
 
 
+def edit_as_a_learner(copy):
+    """Change a copy's NPROC cell, as a learner trying another world size would."""
+    nb = nbformat.read(copy, as_version=4)
+    nb.cells[2].source = "NPROC = 3  # my change"
+    return nb
+
+
 def test_the_learners_copy_is_never_overwritten(tmp_path, course):
     practice = tmp_path / "practice"
     editions.make_practice(practice, course)
     mine = practice / NOTEBOOKS[3].name
-    nb = nbformat.read(mine, as_version=4)
-    nb.cells[2].source = "NPROC = 3  # my change"
+    nb = edit_as_a_learner(mine)
     nb.cells.append(nbformat.v4.new_code_cell("my_answer = 42", outputs=[], execution_count=7))
     nbformat.write(nb, mine)
     before = mine.read_bytes()
@@ -87,9 +93,7 @@ def test_restore_writes_a_fresh_copy_and_keeps_the_learners(tmp_path, course):
     practice = tmp_path / "practice"
     editions.make_practice(practice, course)
     mine = practice / NOTEBOOKS[3].name
-    nb = nbformat.read(mine, as_version=4)
-    nb.cells[2].source = "NPROC = 3  # my change"
-    nbformat.write(nb, mine)
+    nbformat.write(edit_as_a_learner(mine), mine)
 
     said = editions.restore("3", practice, course)
     (kept,) = practice.glob(f"{mine.stem}.mine-*.ipynb")
