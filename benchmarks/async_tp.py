@@ -1,4 +1,4 @@
-"""Async TP from scratch (notebook 07): the chunked all-gather matmul against the plain all-gather, then matmul.
+"""Async TP from scratch (notebook 08): the chunked all-gather matmul against the plain all-gather, then matmul.
 
     .venv/bin/python benchmarks/async_tp.py [--nproc 4] [--repeats 7]
 
@@ -53,9 +53,9 @@ def main() -> None:
     for rows, d_in, d_out in SIZES:
         plain, chunked = results[(rows, d_in, d_out)]
         print(f"{f'{rows} x {d_in} x {d_out}':>20} {plain * 1e3:9.2f} {chunked * 1e3:11.2f} {chunked / plain:16.2f}")
-    plain, chunked = results[SIZES[1]]  # notebook 07's size
+    plain, chunked = results[SIZES[1]]  # notebook 08's size
     report(
-        f"async TP chunked / plain all-gather matmul, {args.nproc} ranks, notebook 07's size",
+        f"async TP chunked / plain all-gather matmul, {args.nproc} ranks, notebook 08's size",
         chunked / plain,
         "as measured",
     )

@@ -6,7 +6,7 @@
 Each layout trains the notebook's GPT with gpt.run_layout (one thread per rank on a CPU): the median step
 time of the slowest rank, and the machine's limit measured after every 10th step with the same ranks all
 multiplying at once (the median). Goal: one process reaches at least 0.6 of the limit; the other layouts are
-reported as measured (their communication, bubble and smaller matmuls keep them lower, notebook 13 says why).
+reported as measured (their communication, bubble and smaller matmuls keep them lower, notebook 15 says why).
 
 One process eager and compiled (gpt.compiled_layouts: each block compiled) run in one process: each layout's run
 (run_layout: achieved / limit, goals >= 0.6 eager, >= 0.7 compiled), then the two models' steps in turns (eager,

@@ -2,7 +2,7 @@
 # Run the whole course on one GPU node. Each notebook runs at the largest NPROC up to the number of GPUs
 # that its own parameter check accepts (05 takes 6 of 8 GPUs: it needs NPROC to divide 12), with
 # BACKEND=nccl; its cells of more ranks than GPUs run on CPU processes (params.backend_for). A notebook
-# that accepts no NPROC up to the GPUs (07 on 1 GPU: it needs 2 ranks) is skipped, with its reason.
+# that accepts no NPROC up to the GPUs (08 on 1 GPU: it needs 2 ranks) is skipped, with its reason.
 #   launch/gpu_node.sh                 # all notebooks -> build/course-gpu/, summary table at the end
 #   launch/gpu_node.sh 03 05           # some notebooks (name prefixes)
 #   NPROC=4 launch/gpu_node.sh 03      # force NPROC=4 (a notebook that refuses 4 fails)

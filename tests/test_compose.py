@@ -1,4 +1,4 @@
-"""Notebook 11's library: the rank grid, the planner's formulas, the exercise checker on real ranks."""
+"""Notebook 13's library: the rank grid, the planner's formulas, the exercise checker on real ranks."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from course_lib.exercises import check_prediction
 from course_lib.launch import runtime
 from tests.rank_programs import assert_checker
 
-SOLUTIONS = runpy.run_path(str(Path(__file__).parents[1] / "notebooks/solutions/11_composing_parallelism.py"))
+SOLUTIONS = runpy.run_path(str(Path(__file__).parents[1] / "notebooks/solutions/13_composing_parallelism.py"))
 
 
 def test_rank_grid_is_the_meshs_layout_and_keeps_tp_innermost():
@@ -298,7 +298,7 @@ def test_simulated_ranks_count_the_planners_collectives_and_hold_every_element()
     assert steps[0].calls == {"dp all_gather": 16, "dp reduce_scatter": 8, "tp all_reduce": 48}
     piped = compose.step_collectives(three_d, n_mb=2, global_batch=12)
     assert [s.calls for s in piped] == [compose.predicted_collectives(4, 2, 2, 2, 2)] * 2
-    # the bytes notebook 11's 3D cell counts on 8 real ranks (pp sends are not simulated)
+    # the bytes notebook 13's 3D cell counts on 8 real ranks (pp sends are not simulated)
     assert piped[0].sent == {"pp": 0.0, "dp": 228480.0, "tp": 82944.0}
     shards = compose.shard_shapes(two_d)
     assert len(shards) == 16 and shards_add_up(shards, 4)
@@ -318,7 +318,7 @@ def test_fake_rank_refuses_a_process_that_has_a_group_and_tears_its_own_down():
 
 
 def test_local_tensor_mode_gives_every_rank_rank_0s_fsdp_shard():
-    """Why notebook 11 simulates with the fake backend: FSDP2 picks the shard by its process group's rank, one
+    """Why notebook 13 simulates with the fake backend: FSDP2 picks the shard by its process group's rank, one
     integer in one process, so under LocalTensorMode every simulated rank holds rank 0's (48 rows over 5 ranks:
     10, 10, 10, 10, 8), and a forward fails where FSDP2 frees the gathered parameters by resizing their storage."""
     from torch.distributed._local_tensor import LocalTensorMode

@@ -18,7 +18,7 @@ from course_lib.exercises import check_prediction
 from tests.rank_programs import assert_checker, judge, run_source, world_sizes
 
 SOLUTIONS = runpy.run_path(
-    str(Path(__file__).parent.parent / "notebooks" / "solutions" / "09_context_and_expert_parallel.py")
+    str(Path(__file__).parent.parent / "notebooks" / "solutions" / "10_context_parallel.py")
 )
 
 

@@ -21,7 +21,7 @@ from tests.rank_programs import assert_judged, judge, run, world_sizes
 from tests.rank_programs import debugging as programs
 from tests.rank_programs import debugging_tools as rank_tools
 
-SOLUTIONS = Path(__file__).resolve().parents[1] / "notebooks" / "solutions" / "12_debugging_and_monitoring.py"
+SOLUTIONS = Path(__file__).resolve().parents[1] / "notebooks" / "solutions" / "14_debugging_and_monitoring.py"
 
 
 def test_debugger_scenarios_on_three_ranks():
@@ -439,7 +439,7 @@ def test_a_straggler_works_longest_and_waits_least():
 def test_detail_crashes_ddp_construction_on_gloo():
     """torch 2.13: TORCH_DISTRIBUTED_DEBUG=DETAIL + DDP on gloo dies with SIGSEGV in DDP's start-up logging.
 
-    Notebook 12 says so and uses DETAIL on plain collectives only. When this test fails, torch fixed it:
+    Notebook 14 says so and uses DETAIL on plain collectives only. When this test fails, torch fixed it:
     update section 4 of the notebook.
     """
     with pytest.raises(RankFailedError) as caught:
@@ -449,7 +449,7 @@ def test_detail_crashes_ddp_construction_on_gloo():
 
 def test_nccl_timeout_is_refused_at_once_without_gpus():
     if torch.cuda.is_available():
-        pytest.skip("a GPU machine runs it in notebook 12")
+        pytest.skip("a GPU machine runs it in notebook 14")
     from course_lib.launch import LaunchError
 
     with pytest.raises(LaunchError):

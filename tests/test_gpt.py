@@ -1,4 +1,4 @@
-"""Notebook 13's library: the text snapshot, the loader, the GPT and its stages, the calculators, the data-parallel
+"""Notebook 15's library: the text snapshot, the loader, the GPT and its stages, the calculators, the data-parallel
 layouts on 3 real gloo ranks against one process, and the exercises' checkers."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from course_lib.gpt import snapshot
 from course_lib.launch import launch
 from tests.rank_programs import assert_checker
 
-SOLUTIONS = runpy.run_path(str(Path(__file__).parents[1] / "notebooks/solutions/13_capstone_gpt.py"))
+SOLUTIONS = runpy.run_path(str(Path(__file__).parents[1] / "notebooks/solutions/15_capstone_gpt.py"))
 CONFIG = gpt.default_config()
 
 
@@ -137,7 +137,7 @@ def reference():
     return run_layout({"name": "one process"}, steps=4)["losses"]
 
 
-# Notebook 13 runs every layout at its NPROC (2): DDP and FSDP2 on 2 ranks, FSDP2 x TP on 2 x 2, PP x FSDP2 x TP on
+# Notebook 15 runs every layout at its NPROC (2): DDP and FSDP2 on 2 ranks, FSDP2 x TP on 2 x 2, PP x FSDP2 x TP on
 # 2 x 2 x 2, compiled, and the 2 x 2 checkpoint resumed on 3 ranks, and asserts what these tests assert (its losses
 # within the drift of a second one-process run). Here: the data-parallel layouts on 3 ranks (rows 6, 5, 5), within
 # 1e-4 of one process over 4 steps; with the other world sizes, in `make test-ranks`.

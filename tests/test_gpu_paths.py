@@ -205,7 +205,7 @@ def test_mfu_divides_by_the_bf16_dense_peak_of_the_gpu_and_a_cpu_gets_none(monke
 
 
 def test_a_no_init_cell_does_not_claim_a_backend(monkeypatch, capsys):
-    """Notebook 10's RPC cells (`--no-init`) on a node of 2 GPUs: 'auto' resolves to nccl, which no one sets up."""
+    """Notebook 12's RPC cells (`--no-init`) on a node of 2 GPUs: 'auto' resolves to nccl, which no one sets up."""
     from IPython.core.interactiveshell import InteractiveShell
 
     from course_lib.launch import backend
@@ -221,7 +221,7 @@ def test_a_no_init_cell_does_not_claim_a_backend(monkeypatch, capsys):
     assert "nccl" not in said and "one GPU each" not in said and said.count("no group here") == 2
 
 
-# ---- notebook 12's NCCL timeout under TORCH_NCCL_BLOCKING_WAIT=1 -------------------------------------------------
+# ---- notebook 14's NCCL timeout under TORCH_NCCL_BLOCKING_WAIT=1 -------------------------------------------------
 
 
 def test_a_rank_whose_blocking_wait_raises_lets_the_watchdog_finish_its_dump(tmp_path, monkeypatch):

@@ -165,7 +165,7 @@ def test_sbatch_log_goes_where_slurm_can_write_it(path):
     assert log.parent == Path(".") or tracked, f"--output={log}: {log.parent}/ may not exist when the job starts"
 
 
-def test_sbatch_course_has_time_for_fourteen_notebooks():
+def test_sbatch_course_has_time_for_every_notebook():
     hours, minutes, _ = (int(x) for x in sbatch_options(LAUNCH / "slurm_course.sbatch")["time"].split(":"))
     assert hours * 60 + minutes >= 120  # `make course` takes 21 minutes on 2 CPU cores; 8 NCCL ranks start slower
 
@@ -322,14 +322,14 @@ def test_runner_on_8_gpus_runs_notebook_05_at_6(fake_node, tmp_path, capsys):
     assert "notebook              status   NPROC  backend  seconds  failure" in table
 
 
-def test_runner_on_1_gpu_skips_notebook_07_with_its_reason(fake_node, tmp_path, capsys):
-    """07 needs 2 ranks: on one GPU it is skipped, naming the values that work, and the run still passes."""
+def test_runner_on_1_gpu_skips_notebook_08_with_its_reason(fake_node, tmp_path, capsys):
+    """08 needs 2 ranks: on one GPU it is skipped, naming the values that work, and the run still passes."""
     ran = fake_node(1)
-    argv = ["07", "--nproc-up-to", "1", "-p", "BACKEND", "nccl", "--out", str(tmp_path), "--no-progress"]
+    argv = ["08", "--nproc-up-to", "1", "-p", "BACKEND", "nccl", "--out", str(tmp_path), "--no-progress"]
     assert runner.main(argv) == 0
     assert ran == []
     table = capsys.readouterr().out
-    name, status, nproc, backend_name, _, reason = table_row(table, "07_tensor_parallel")
+    name, status, nproc, backend_name, _, reason = table_row(table, "08_tensor_parallel")
     assert (status, nproc, backend_name) == ("skipped", "-", "-")
     assert reason.startswith("NPROC=1 does not work in this notebook") and "that work: 2, 3, 4, 6" in reason
     assert "0 passed, 0 failed, 1 skipped" in table

@@ -59,7 +59,7 @@ OTHER_NPROCS = [
 
 
 @pytest.mark.sweep
-@pytest.mark.timeout(1800)  # a whole notebook (13 at NPROC 4 took over 300 s in CI); a hung cell fails first, at 600 s
+@pytest.mark.timeout(1800)  # a whole notebook (15 at NPROC 4 took over 300 s in CI); a hung cell fails first, at 600 s
 @pytest.mark.parametrize("path, nproc", OTHER_NPROCS)
 def test_notebook_runs_at_nproc_or_refuses_it_at_once(path, nproc, tmp_path, probe_kernel):
     name, message, _ = probe.Setup(nbformat.read(path, as_version=4), probe_kernel).run(NPROC=nproc)
@@ -292,5 +292,5 @@ def test_runner_prints_the_failing_cells_message_under_the_table(capsys):
     long = SimpleNamespace(evalue="\n".join(f"line {i}" for i in range(40)))
     assert runner.failure_message(long, lines=3) == "...\nline 37\nline 38\nline 39"
     failed = runner.Outcome("06_checkpointing", "FAILED", 1.0, "cell 40: AssertionError", message="{10: 'trained'}")
-    runner.print_table([failed, runner.Outcome("07_tensor_parallel", "ok", 1.0)])
+    runner.print_table([failed, runner.Outcome("08_tensor_parallel", "ok", 1.0)])
     assert "06_checkpointing, cell 40: AssertionError:\n  {10: 'trained'}\n" in capsys.readouterr().out

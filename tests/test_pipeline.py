@@ -12,7 +12,7 @@ from course_lib.exercises import check
 from tests.rank_programs import assert_checker, judge, run, run_source, world_sizes
 from tests.rank_programs import pipeline as rank_programs
 
-SOLUTIONS = runpy.run_path(str(Path(__file__).parents[1] / "notebooks" / "solutions" / "08_pipeline_parallel.py"))
+SOLUTIONS = runpy.run_path(str(Path(__file__).parents[1] / "notebooks" / "solutions" / "09_pipeline_parallel.py"))
 
 # ---- on paper (no processes) ----------------------------------------------------------
 
@@ -379,7 +379,7 @@ def test_one_f_one_b_is_neither_shown_nor_exported():
     from pathlib import Path
 
     assert not any("one_f_one_b" in name and name != "check_one_f_one_b" for name in dir(pp))
-    cells = json.loads((Path(__file__).parents[1] / "notebooks" / "08_pipeline_parallel.ipynb").read_text())["cells"]
+    cells = json.loads((Path(__file__).parents[1] / "notebooks" / "09_pipeline_parallel.ipynb").read_text())["cells"]
     exercise = next(i for i, c in enumerate(cells) if "check(one_f_one_b," in "".join(c["source"]))
     above = json.dumps(cells[:exercise])
     assert "one_f_one_b_actions" not in above and "warmup = min(" not in above

@@ -16,7 +16,7 @@ from course_lib.rpc.agent import _is_torch_internal_backend_notice
 from tests.rank_programs import rpc as programs
 from tests.rank_programs import world_sizes
 
-SOLUTIONS = Path(__file__).resolve().parents[1] / "notebooks" / "solutions" / "10_rpc.py"
+SOLUTIONS = Path(__file__).resolve().parents[1] / "notebooks" / "solutions" / "12_rpc.py"
 QUIET = dict(write=lambda text, stream: None)
 STEPS = 20
 
@@ -146,7 +146,7 @@ def test_distributed_autograd_and_optimizer_match_local_training(nproc):
     assert "Warning" not in stderr and "TorchScript" not in stderr, stderr
 
 
-# ---- exercises: the solutions of notebooks/solutions/10_rpc.py pass, wrong answers fail -------------------
+# ---- exercises: the solutions of notebooks/solutions/12_rpc.py pass, wrong answers fail -------------------
 
 
 def solutions(nproc=2):

@@ -10,7 +10,7 @@ from course_lib.models import TransformerBlock
 from tests.rank_programs import assert_checker, judge, run, run_source, world_sizes
 from tests.rank_programs import tensor_parallel as rank_programs
 
-SOLUTIONS = runpy.run_path(str(Path(__file__).parent.parent / "notebooks" / "solutions" / "07_tensor_parallel.py"))
+SOLUTIONS = runpy.run_path(str(Path(__file__).parent.parent / "notebooks" / "solutions" / "08_tensor_parallel.py"))
 
 
 @pytest.mark.parametrize("n", world_sizes(2, 3, 4))

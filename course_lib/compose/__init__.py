@@ -1,4 +1,4 @@
-"""Notebook 11: composing data, tensor and pipeline parallelism on one DeviceMesh.
+"""Notebook 13: composing data, tensor and pipeline parallelism on one DeviceMesh.
 
 - :mod:`.mesh`: the rank grid, by hand (:func:`rank_grid`, dist.new_group) and as one DeviceMesh (:class:`Dims`);
 - :mod:`.parallelize`: each parallelism as a function over a mesh dimension (:func:`apply_tp`, :func:`apply_fsdp`,

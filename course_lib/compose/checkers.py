@@ -1,6 +1,6 @@
-"""The exercises of notebook 11, checked on real ranks: a rank's coordinates, gradient accumulation with
+"""The exercises of notebook 13, checked on real ranks: a rank's coordinates, gradient accumulation with
 deferred sync under FSDP2, and micro-batches every data-parallel rank agrees on (the solutions are in
-notebooks/solutions/11_composing_parallelism.py)."""
+notebooks/solutions/13_composing_parallelism.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Notebook 11's lab: the planner's predicted traffic against what the ranks counted, and the figures."""
+"""Notebook 13's lab: the planner's predicted traffic against what the ranks counted, and the figures."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ from course_lib.compose.planner import Cluster, ModelShape, collectives_per_step
 from course_lib.compose.simulate import Shard
 from course_lib.memory import GB
 
-# Bytes each rank sends in a step, and its collective calls: the planner's prediction for notebook 11's model, and
+# Bytes each rank sends in a step, and its collective calls: the planner's prediction for notebook 13's model, and
 # its comparison with what the ranks counted (``comms.Recorder.by_dimension(mesh)``: every collective charged to the
 # mesh dimension whose group it ran on, under the ring cost model the planner uses).
 
 
 def course_model_shape(n_blocks: int, micro_batch: float, seq: int = 6) -> ModelShape:
-    """The planner's view of notebook 11's model: `n_blocks` of the course's blocks (models.BLOCK)."""
+    """The planner's view of notebook 13's model: `n_blocks` of the course's blocks (models.BLOCK)."""
     from course_lib.models import BLOCK, TransformerBlock
 
     per_block = sum(p.numel() for p in TransformerBlock().parameters())

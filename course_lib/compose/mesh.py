@@ -1,4 +1,4 @@
-"""The rank grid of notebook 11: a (pp, dp, tp) grid by hand, with dist.new_group, and as one DeviceMesh."""
+"""The rank grid of notebook 13: a (pp, dp, tp) grid by hand, with dist.new_group, and as one DeviceMesh."""
 
 from __future__ import annotations
 

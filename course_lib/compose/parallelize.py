@@ -1,7 +1,7 @@
-"""Each parallelism of notebook 11 as a function applied to a model over one mesh dimension.
+"""Each parallelism of notebook 13 as a function applied to a model over one mesh dimension.
 
-:func:`apply_tp` (tensor parallel, notebook 07), :func:`apply_fsdp` (FSDP2 or HSDP, notebook 03),
-:func:`stage_blocks` (a pipeline stage, notebook 08), on a stack of the course's transformer blocks.
+:func:`apply_tp` (tensor parallel, notebook 08), :func:`apply_fsdp` (FSDP2 or HSDP, notebook 03),
+:func:`stage_blocks` (a pipeline stage, notebook 09), on a stack of the course's transformer blocks.
 The composed model must train exactly as one process does: :func:`reference_grads` is that process,
 :func:`unsharded_gradients` what a rank compares with it.
 """
@@ -43,7 +43,7 @@ def transformer_blocks(model: nn.Module) -> list[TransformerBlock]:
 
 
 def apply_tp(model: Model, tp_mesh: DeviceMesh) -> Model:
-    """Tensor parallel inside every block (q/k/v/up column-wise, o/down row-wise; notebook 07)."""
+    """Tensor parallel inside every block (q/k/v/up column-wise, o/down row-wise; notebook 08)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     for block in transformer_blocks(model):
@@ -60,7 +60,7 @@ def apply_fsdp(model: Model, dp_mesh: DeviceMesh) -> Model:
 
 
 def stage_blocks(model: nn.Sequential, pp_rank: int, pp: int) -> nn.Sequential:
-    """This pipeline stage's contiguous slice of blocks (notebook 08)."""
+    """This pipeline stage's contiguous slice of blocks (notebook 09)."""
     if len(model) % pp:
         raise ValueError(f"{len(model)} blocks do not split into {pp} equal stages")
     per = len(model) // pp

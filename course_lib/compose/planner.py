@@ -1,7 +1,7 @@
 """A planner for real clusters (kernel-only): memory, bytes and time per GPU for a (dp, tp, pp) choice.
 
 Bytes are what one GPU sends per step under a ring algorithm (``comms.RING``, the course's one cost table);
-notebook 11 counts them on ranks (:mod:`.traffic`) and asserts the planner's numbers for small layouts.
+notebook 13 counts them on ranks (:mod:`.traffic`) and asserts the planner's numbers for small layouts.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def collectives_per_step(
     """Collective calls one GPU issues per step for its stage's L/pp layers, by mesh dimension ("dp all_gather"):
     FSDP's :func:`fsdp_collectives` per unit (one unit per layer) over dp, and `m.tp_all_reduces` activation
     all-reduces per layer and micro-batch over tp. A dimension of one rank issues none. The FSDP choices
-    default as in :func:`plan` (pipelining's where pp > 1). Notebook 11 asserts these counts against simulated ranks.
+    default as in :func:`plan` (pipelining's where pp > 1). Notebook 13 asserts these counts against simulated ranks.
     """
     reshard_after_backward, defer_grad_sync = _pipelining_choices(pp, reshard_after_backward, defer_grad_sync)
     layers = m.layers // pp

@@ -39,7 +39,7 @@ class Shard:
 
 
 def parallelized_stage(dims: Dims, n_blocks: int) -> tuple[nn.Sequential, DeviceMesh, int]:
-    """The current rank's pipeline stage with TP over "tp" and FSDP over "dp", as notebook 11's 2D/3D cells build
+    """The current rank's pipeline stage with TP over "tp" and FSDP over "dp", as notebook 13's 2D/3D cells build
     it; its mesh, and the index of its first block in the whole model."""
     mesh = dims.build_mesh()
     stage = mesh["pp"].get_local_rank()

@@ -1,4 +1,4 @@
-"""course_lib.context_parallel (notebook 09, part 1): ring attention from scratch, and torch's context_parallel.
+"""course_lib.context_parallel (notebook 10, part 1): ring attention from scratch, and torch's context_parallel.
 
 layout          which tokens each rank holds (contiguous or zig-zag), for any sequence length; the causal
                 work of each rank at each ring step, and the rectangle it computes
@@ -9,7 +9,7 @@ cost            bytes per rank per layer, memory per rank, when the ring hides b
 ulysses         Ulysses: an all-to-all from sequence- to head-sharded, local attention, and back; its bytes
 lab             one layer's forward + backward timed on a group; torch.distributed.tensor.experimental.context_parallel:
                 its layout (CPU too), its attention (GPU); kernel-only pictures and the explorer
-checkers        the exercise's checker (solution: notebooks/solutions/09_context_and_expert_parallel.py)
+checkers        the exercise's checker (solution: notebooks/solutions/10_context_parallel.py)
 """
 
 from course_lib.context_parallel.block import ContextParallelAttention, ContextParallelBlock, sum_gradients

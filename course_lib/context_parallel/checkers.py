@@ -1,6 +1,6 @@
-"""Notebook 09's context-parallel exercise, checked on the ranks: the forward of ring attention.
+"""Notebook 10's context-parallel exercise, checked on the ranks: the forward of ring attention.
 
-The solution is in notebooks/solutions/09_context_and_expert_parallel.py, not here.
+The solution is in notebooks/solutions/10_context_parallel.py, not here.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Notebook 09's lab, part 1: ring attention timed on a group, torch's own context parallelism, and the
+"""Notebook 10's lab, part 1: ring attention timed on a group, torch's own context parallelism, and the
 kernel-side figures and explorer.
 """
 

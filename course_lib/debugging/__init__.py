@@ -1,4 +1,4 @@
-"""Notebook 12: debugging and monitoring distributed training.
+"""Notebook 14: debugging and monitoring distributed training.
 
 - :mod:`.environment`: what each rank runs on, where ranks disagree, the readable part of a DETAIL mismatch;
 - :mod:`.checksums`: one checksum per gradient tensor, compared across ranks with MAX and MIN;

@@ -1,4 +1,4 @@
-"""The exercises of notebook 12, checked on the ranks: `gradients_in_sync(model)` (implement) and
+"""The exercises of notebook 14, checked on the ranks: `gradients_in_sync(model)` (implement) and
 `mean_finite_loss(loss)` (diagnose: a rank that skips a collective). Solutions: notebooks/solutions/12_*.py."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Notebook 12's lab: what the debug variables print (sanitized), an NCCL timeout under each error-handling
+"""Notebook 14's lab: what the debug variables print (sanitized), an NCCL timeout under each error-handling
 mode, the step monitor, what a profiler trace holds, and the figures.
 """
 
@@ -227,7 +227,7 @@ def is_allreduce(name: str) -> bool:
     return re.search(r"all_?reduce", name) is not None
 
 
-# Kernel side (figures only): the per-step plot of notebook 12, redrawn while the ranks train; the throughput
+# Kernel side (figures only): the per-step plot of notebook 14, redrawn while the ranks train; the throughput
 # explorer.
 
 # The line train_monitored (train.py) prints each step, as the launcher shows it: prefixed with the rank.

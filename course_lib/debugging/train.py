@@ -1,4 +1,4 @@
-"""The training run notebook 12 monitors: DDP on the course MLP, one line printed per step."""
+"""The training run notebook 14 monitors: DDP on the course MLP, one line printed per step."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Notebook 09's expert-parallel exercise, checked on the ranks: the dispatch of tokens to their experts.
+"""Notebook 10's expert-parallel exercise, checked on the ranks: the dispatch of tokens to their experts.
 
-The solution is in notebooks/solutions/09_context_and_expert_parallel.py, not here.
+The solution is in notebooks/solutions/10_context_parallel.py, not here.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Notebook 09's lab, part 2: expert parallelism on paper (bytes, capacity, drops, imbalance) and the
+"""Notebook 10's lab, part 2: expert parallelism on paper (bytes, capacity, drops, imbalance) and the
 kernel-side figures and explorer.
 """
 

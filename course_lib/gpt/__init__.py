@@ -1,4 +1,4 @@
-"""Notebook 13, the capstone: a small GPT trained on the course's own prose in every layout of the course.
+"""Notebook 15, the capstone: a small GPT trained on the course's own prose in every layout of the course.
 
 snapshot     the data set: the course's markdown at one commit, written once to course_text.txt
 text         character tokens, the fixed train/validation split, a loader that gives each dp rank its rows
@@ -9,7 +9,7 @@ checkpoints  DCP save/load with notebook 06's AppState, and a fingerprint of the
 measure      FLOPs counted, the matmul limit, a GPU's peak, bytes sent (comms.Recorder)
 predict      memory per rank and bytes per step from the course's calculators (memory, compose.plan)
 lab          a %%torchrun cell's run: train and measure; evaluation and samples; the kernel's table and figures
-checkers     the exercises' checkers (solutions: notebooks/solutions/13_capstone_gpt.py)
+checkers     the exercises' checkers (solutions: notebooks/solutions/15_capstone_gpt.py)
 """
 
 from course_lib.gpt.checkers import check_embedding_group, check_rows_on_mesh

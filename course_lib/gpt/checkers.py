@@ -1,5 +1,5 @@
-"""The exercises of notebook 13, checked on real ranks: the tied table's group for any number of stages, and
-each rank's rows of the global batch on a mesh (solutions: notebooks/solutions/13_capstone_gpt.py)."""
+"""The exercises of notebook 15, checked on real ranks: the tied table's group for any number of stages, and
+each rank's rows of the global batch on a mesh (solutions: notebooks/solutions/15_capstone_gpt.py)."""
 
 from __future__ import annotations
 

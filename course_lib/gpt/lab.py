@@ -1,4 +1,4 @@
-"""Notebook 13's lab: a layout's run as one %%torchrun cell runs it (train, measure, evaluate, sample), and the
+"""Notebook 15's lab: a layout's run as one %%torchrun cell runs it (train, measure, evaluate, sample), and the
 kernel's tables and figures.
 """
 

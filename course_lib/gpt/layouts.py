@@ -3,10 +3,10 @@
     one process      the model as it is
     DDP              DistributedDataParallel over "dp" (notebook 02)
     FSDP2            compose.apply_fsdp over "dp": each block, then the root (embeddings and head; notebook 03)
-    FSDP2 x TP       compose.apply_tp over "tp" inside every block, then FSDP2 over "dp" (notebook 11)
-    PP x FSDP2 x TP  this stage's blocks (compose.stage_blocks, notebook 08), then TP, then FSDP2
+    FSDP2 x TP       compose.apply_tp over "tp" inside every block, then FSDP2 over "dp" (notebook 13)
+    PP x FSDP2 x TP  this stage's blocks (compose.stage_blocks, notebook 09), then TP, then FSDP2
 
-The mesh and its sizes are notebook 11's: a layout is a `compose.Dims` with a name and its options.
+The mesh and its sizes are notebook 13's: a layout is a `compose.Dims` with a name and its options.
 
 A layout may also be compiled (`compiled=True`): each block is compiled in place before DDP or FSDP2 wraps it
 (:func:`apply_compile`, torchtitan's way), so the data-parallel hooks stay outside the compiled code.

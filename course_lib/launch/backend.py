@@ -74,7 +74,7 @@ def describe(backend: str, nproc: int, init: bool = True) -> str:
     """One line saying what a run got, on a machine with GPUs ('' without: there gloo is the only choice).
 
     `init=False` (`--no-init`): no process group is made, so no backend either: the line says which GPUs the ranks
-    see, and the cell decides what to use (RPC's cells in notebook 10 use none)."""
+    see, and the cell decides what to use (RPC's cells in notebook 12 use none)."""
     gpus = available_gpus()
     if not gpus:
         return ""

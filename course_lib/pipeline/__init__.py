@@ -1,4 +1,4 @@
-"""course_lib.pipeline (notebook 08): pipeline parallelism from scratch.
+"""course_lib.pipeline (notebook 09): pipeline parallelism from scratch.
 
 A model is cut into *stages* (stages.py), one per rank, or several per rank ("virtual stages", for the
 interleaved schedule). A batch is cut into *micro-batches*. A *schedule* is, for every rank, an
@@ -9,7 +9,7 @@ computes its ideal timeline or finds its deadlock without running anything (time
 step, ours and torch.distributed.pipelining's, against single-process training; torch's two-stages-per-rank
 schedules (zero bubble, DualPipeV, looped BFS) and their action lists as ours; the Gantt chart and the schedule
 explorer; checkers.py the exercises' checkers
-(solutions: notebooks/solutions/08_pipeline_parallel.py). The names below are those the notebook, tests and
+(solutions: notebooks/solutions/09_pipeline_parallel.py). The names below are those the notebook, tests and
 benchmark use.
 """
 

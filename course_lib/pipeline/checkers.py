@@ -1,7 +1,7 @@
-"""The exercises of notebook 08, checked on the ranks: a 1F1B action list judged by its properties, a pipeline step
+"""The exercises of notebook 09, checked on the ranks: a 1F1B action list judged by its properties, a pipeline step
 that must not deadlock.
 
-The solutions are in notebooks/solutions/08_pipeline_parallel.py, not here.
+The solutions are in notebooks/solutions/09_pipeline_parallel.py, not here.
 """
 
 from __future__ import annotations

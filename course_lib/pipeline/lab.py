@@ -1,4 +1,4 @@
-"""Notebook 08's lab: one training step, ours and torch.distributed.pipelining's, against single-process
+"""Notebook 09's lab: one training step, ours and torch.distributed.pipelining's, against single-process
 training; torch's newer schedules as the course's actions; the Gantt chart and the schedule explorer.
 """
 
@@ -18,7 +18,7 @@ from course_lib.pipeline.schedules import Action, peak_in_flight, schedule_actio
 from course_lib.pipeline.stages import course_model, local_stages, split_into_stages
 from course_lib.pipeline.timeline import Event, bubble_fraction, simulate
 
-# One training step of notebook 08: from scratch and with torch.distributed.pipelining, and its reference.
+# One training step of notebook 09: from scratch and with torch.distributed.pipelining, and its reference.
 #
 # The reference is single-process training on the whole batch; gradients are compared stage by stage.
 

@@ -34,7 +34,7 @@ def gpipe_actions(stage: int, n_stages: int, n_microbatches: int) -> list[Action
 def _one_f_one_b_actions(stage: int, n_stages: int, n_microbatches: int) -> list[Action]:
     """1F1B: a warm-up of forwards, then alternate one forward and one backward, then drain.
 
-    Private: writing this is notebook 08's exercise 2 (its checker refuses answers that call it, or
+    Private: writing this is notebook 09's exercise 2 (its checker refuses answers that call it, or
     schedule_actions). The notebook reaches it only through schedule_actions("1F1B", ...).
 
     Stage s runs n_stages - 1 - s warm-up forwards: just enough that the first

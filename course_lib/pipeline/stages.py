@@ -1,4 +1,4 @@
-"""The model of notebook 08 and how it is cut into pipeline stages."""
+"""The model of notebook 09 and how it is cut into pipeline stages."""
 
 from __future__ import annotations
 

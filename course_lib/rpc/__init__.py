@@ -1,4 +1,4 @@
-"""Notebook 10: remote procedure calls (torch.distributed.rpc).
+"""Notebook 12: remote procedure calls (torch.distributed.rpc).
 
 - :mod:`.agent`: `start`, init_rpc under the course's worker names ("server", "trainer<r>");
 - :mod:`.remote_functions`: the small remote functions and the remote model of the first examples;

@@ -1,7 +1,7 @@
-"""The exercises of notebook 10, checked on the workers: a counter held behind an RRef, updated by every
+"""The exercises of notebook 12, checked on the workers: a counter held behind an RRef, updated by every
 trainer (implement), and a rendezvous whose round future is completed for every caller (diagnose).
 
-The checkers and the functions they send to the workers; the solutions are in notebooks/solutions/10_rpc.py.
+The checkers and the functions they send to the workers; the solutions are in notebooks/solutions/12_rpc.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Notebook 10's lab: round trips timed and the alpha-beta fit; the servers' loss curves (kernel-only)."""
+"""Notebook 12's lab: round trips timed and the alpha-beta fit; the servers' loss curves (kernel-only)."""
 
 from __future__ import annotations
 

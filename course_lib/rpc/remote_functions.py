@@ -1,4 +1,4 @@
-"""Small remote functions and a remote model: the first examples of notebook 10.
+"""Small remote functions and a remote model: the first examples of notebook 12.
 
 Module level, so every worker can import them by name (see :mod:`course_lib.rpc.agent`).
 """

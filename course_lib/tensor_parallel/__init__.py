@@ -1,4 +1,4 @@
-"""course_lib.tensor_parallel (notebook 07): column- and row-parallel layers from scratch, and torch's DTensor plans.
+"""course_lib.tensor_parallel (notebook 08): column- and row-parallel layers from scratch, and torch's DTensor plans.
 
 One linear layer y = x Wᵀ + b is split over the N ranks of a tensor-parallel group. Autograd is told
 where the communication goes by conjugate operators (operators.py); the layers and the parallel
@@ -6,7 +6,7 @@ TransformerBlock built from them are in layers.py; torch's parallelize_module pl
 async TP (the all-gather cut into chunks that overlap the matmul) in async_tp.py; the explorer of
 which slice lives where in lab.py;
 the exercises' checkers in checkers.py
-(solutions: notebooks/solutions/07_tensor_parallel.py). The names below are those the notebook, tests and other
+(solutions: notebooks/solutions/08_tensor_parallel.py). The names below are those the notebook, tests and other
 modules use.
 """
 

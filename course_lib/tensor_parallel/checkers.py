@@ -1,6 +1,6 @@
-"""The exercises of notebook 07, checked on the ranks: the split operator's backward, a row-parallel forward.
+"""The exercises of notebook 08, checked on the ranks: the split operator's backward, a row-parallel forward.
 
-The solutions are in notebooks/solutions/07_tensor_parallel.py, not here.
+The solutions are in notebooks/solutions/08_tensor_parallel.py, not here.
 """
 
 from __future__ import annotations

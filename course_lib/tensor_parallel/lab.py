@@ -1,4 +1,4 @@
-"""Notebook 07's lab, kernel side: which slice of each weight lives on which rank."""
+"""Notebook 08's lab, kernel side: which slice of each weight lives on which rank."""
 
 from __future__ import annotations
 

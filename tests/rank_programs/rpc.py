@@ -30,7 +30,7 @@ def _caught(call, *args, **kwargs) -> tuple[str, str] | None:
 
 
 def errors(rank: int, world_size: int) -> dict:
-    """Rank 1 makes every mistake of notebook 10's section 4; every rank calls RPC after shutdown."""
+    """Rank 1 makes every mistake of notebook 12's section 4; every rank calls RPC after shutdown."""
     caught = []
     with rpc_lib.captured_stderr() as log:
         rpc_lib.start(rank, world_size)

@@ -1,4 +1,4 @@
-"""Solutions to notebook 11's exercises (load in the notebook with `%load solutions/11_composing_parallelism.py`).
+"""Solutions to notebook 13's exercises (load in the notebook with `%load solutions/13_composing_parallelism.py`).
 
 Each function is self-contained (imports inside): `check` sends its source to the ranks.
 """

@@ -1,4 +1,4 @@
-"""Solutions to notebook 08's exercises (load in the notebook with `%load solutions/08_pipeline_parallel.py`).
+"""Solutions to notebook 09's exercises (load in the notebook with `%load solutions/09_pipeline_parallel.py`).
 
 Each function is self-contained (imports inside), because `check` sends its source to the ranks.
 """

@@ -1,4 +1,4 @@
-# Solutions to notebook 10's exercises. Load them into the notebook with `%load solutions/10_rpc.py`.
+# Solutions to notebook 12's exercises. Load them into the notebook with `%load solutions/12_rpc.py`.
 # Each function imports what it uses inside its body: `check` sends a function's source alone to the workers.
 from course_lib import rpc as rpc_lib
 

@@ -1,4 +1,4 @@
-"""Solutions to notebook 07's exercises (load in the notebook with `%load solutions/07_tensor_parallel.py`).
+"""Solutions to notebook 08's exercises (load in the notebook with `%load solutions/08_tensor_parallel.py`).
 
 Each function is self-contained (imports inside), because `check` sends its source to the ranks.
 """

@@ -1,4 +1,4 @@
-"""Solutions to notebook 09's exercises (load in the notebook with `%load solutions/09_context_and_expert_parallel.py`).
+"""Solutions to notebook 10's exercises (load in the notebook with `%load solutions/10_context_parallel.py`).
 
 Each function is self-contained (imports inside), because `check` sends its source to the ranks.
 """

@@ -1,4 +1,4 @@
-# Solutions of notebook 13's exercises. In the notebook: %load solutions/13_capstone_gpt.py
+# Solutions of notebook 15's exercises. In the notebook: %load solutions/15_capstone_gpt.py
 
 
 # 8.1 Predict: the matmul FLOPs of one training step of the one-process run (16 sequences of 64 characters).

@@ -1,5 +1,5 @@
-# Solutions to notebook 12's exercises. Load them into the notebook with
-# `%load solutions/12_debugging_and_monitoring.py`.
+# Solutions to notebook 14's exercises. Load them into the notebook with
+# `%load solutions/14_debugging_and_monitoring.py`.
 # Each function imports what it uses inside its body: `check` sends a function's source alone to the ranks.
 from course_lib.models import MLP
 
