@@ -93,6 +93,35 @@ def test_stored_notebook_is_clean(path):
     assert not [t for t in outputs_text(nb) if "Warning" in t or "deprecated" in t]
 
 
+# ---- a learner's hour -------------------------------------------------------------------------------------------
+
+WORDS, CELLS, DISPLAYED_LINES = 3500, 70, 40
+
+
+def hour_budget(nb) -> dict[str, int]:
+    """Words of prose, cells, and the longest code block a cell displays with `viz.show` (the part that teaches)."""
+    shown = [
+        len("".join(out.get("data", {}).get("text/plain", "")).splitlines())
+        for cell in nb.cells
+        if cell.cell_type == "code" and "viz.show(" in cell.source
+        for out in cell.get("outputs", [])
+        if "text/html" in out.get("data", {})
+    ]
+    return {
+        "words": sum(len(c.source.split()) for c in nb.cells if c.cell_type == "markdown"),
+        "cells": len(nb.cells),
+        "longest display": max(shown, default=0),
+    }
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_reads_in_an_hour(path):
+    """At most 3,500 words of prose, 70 cells and 40-line displays: what a learner reads in about an hour."""
+    budget = hour_budget(nbformat.read(path, as_version=4))
+    limits = {"words": WORDS, "cells": CELLS, "longest display": DISPLAYED_LINES}
+    assert all(budget[k] <= limits[k] for k in limits), f"{budget} against at most {limits}"
+
+
 # ---- predict, then see: nothing above a prediction shows its answer -----------------------------
 
 
