@@ -58,6 +58,88 @@ OTHER_NPROCS = [
 ]
 
 
+def solved_nproc(path: Path) -> int:
+    """The sweep's run that carries the solutions: NPROC 4 (1 where 4 is the notebook's own), so predictions are
+    checked at a world size other than the stored run's."""
+    return 1 if default_nproc(nbformat.read(path, as_version=4)) == 4 else 4
+
+
+SOLUTIONS = Path(runner.NOTEBOOKS) / "solutions"
+EXERCISE_HEADER = re.compile(r"^# Exercise \d+\b.*$", re.M)
+
+
+def solution_blocks(path: Path) -> list[str]:
+    """The blocks of a solution file: each starts with a line `# Exercise N ...` and holds what replaces the stub's
+    definitions in that exercise's cell."""
+    text = (SOLUTIONS / f"{path.stem}.py").read_text()
+    starts = [m.start() for m in EXERCISE_HEADER.finditer(text)]
+    return [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)])]
+
+
+def python_of(source: str) -> str:
+    """A cell's source with its IPython magics and shell lines commented out."""
+    return re.sub(r"^(\s*)([%!])", r"\1#", source, flags=re.M)
+
+
+def defined_names(statement: ast.stmt) -> set[str]:
+    if isinstance(statement, (ast.FunctionDef, ast.ClassDef)):
+        return {statement.name}
+    if isinstance(statement, ast.Assign):
+        return {t.id for t in statement.targets if isinstance(t, ast.Name)}
+    return set()
+
+
+def exercise_cells(nb) -> dict[int, set[str]]:
+    """The cells a learner answers in, with the names each must define: the stub a `check(fn, ...)` call judges, and
+    the `predicted_x = None` a `check_prediction(..., predicted_x, ...)` call reads."""
+    targets: dict[int, set[str]] = {}
+    for index, cell in enumerate(nb.cells):
+        if cell.cell_type != "code" or not EXERCISE_CELL.search(cell.source):
+            continue
+        for call in ast.walk(ast.parse(python_of(cell.source))):
+            name = getattr(getattr(call, "func", None), "id", "")
+            if name not in ("check", "check_prediction") or len(call.args) < 2:
+                continue
+            answer = call.args[0 if name == "check" else 1]
+            if not isinstance(answer, ast.Name):
+                continue
+            defining = [
+                i
+                for i, c in enumerate(nb.cells[: index + 1])
+                if c.cell_type == "code"
+                and any(answer.id in defined_names(s) for s in ast.parse(python_of(c.source)).body)
+            ]
+            assert defining, f"cell {index} checks {answer.id}, which no cell above defines"
+            targets.setdefault(defining[-1], set()).add(answer.id)
+    return targets
+
+
+def solve(nb, blocks: list[str]) -> list[int]:
+    """Put each solution block in place of the stub definitions of its exercise cell (the one that defines what
+    the block defines); returns the cells solved, in block order."""
+    targets = exercise_cells(nb)
+    solved = []
+    for block in blocks:
+        names = set().union(*map(defined_names, ast.parse(block).body))
+        found = [i for i, answers in targets.items() if answers & names]
+        assert len(found) == 1, f"{block.splitlines()[0]!r} defines {sorted(names)}: exercise cells {found}"
+        index = found[0]
+        statements = ast.parse(python_of(nb.cells[index].source)).body
+        stubs = [s for s in statements if defined_names(s) & names]
+        lines = nb.cells[index].source.splitlines()
+        for stub in reversed(stubs):
+            lines[stub.lineno - 1 : stub.end_lineno] = block.rstrip().splitlines() if stub is stubs[0] else []
+        nb.cells[index].source = "\n".join(lines)
+        solved.append(index)
+    return solved
+
+
+def verdicts(cell) -> list[str]:
+    """What the checks in a cell said: lines of its outputs that are a verdict."""
+    text = "\n".join(out.get("text", "") + "".join(out.get("data", {}).get("text/plain", "")) for out in cell.outputs)
+    return [line for line in text.splitlines() if line.startswith(("✓", "✗")) or "not attempted yet" in line]
+
+
 @pytest.mark.sweep
 @pytest.mark.timeout(1800)  # a whole notebook (15 at NPROC 4 took over 300 s in CI); a hung cell fails first, at 600 s
 @pytest.mark.parametrize("path, nproc", OTHER_NPROCS)
@@ -67,16 +149,44 @@ def test_notebook_runs_at_nproc_or_refuses_it_at_once(path, nproc, tmp_path, pro
     if name:
         assert name == "ParameterError" and "Values from 1 to 8 that work" in message, (name, message)
         return  # refused in its first cells, which start no rank (test_parameters_are_checked_in_the_first_cells)
-    assert (
-        runner.main([str(path), "-p", "NPROC", str(nproc), "--out", str(tmp_path), "--timeout", "600", "--no-progress"])
-        == 0
-    )
-    executed = nbformat.read(tmp_path / path.name, as_version=4)
+    run, solved = path, []
+    if nproc == solved_nproc(path):  # this run carries the solutions: every check must pass
+        nb = nbformat.read(path, as_version=4)
+        solved = solve(nb, solution_blocks(path))
+        (tmp_path / "solved").mkdir()
+        run = tmp_path / "solved" / path.name
+        nbformat.write(nb, run)
+        (run.parent / "solutions").symlink_to(SOLUTIONS)
+    out = tmp_path / "out"
+    argv = [str(run), "-p", "NPROC", str(nproc), "--out", str(out), "--timeout", "600", "--no-progress"]
+    assert runner.main(argv) == 0
+    executed = nbformat.read(out / path.name, as_version=4)
     injected = [c.source for c in executed.cells if "injected-parameters" in c.metadata.get("tags", [])]
     assert injected and f"NPROC = {nproc}" in injected[0], f"papermill did not inject NPROC = {nproc}"
     warnings = [t for t in outputs_text(executed) if "Warning" in t or "deprecated" in t]
     assert warnings == [], f"outputs carry warnings: {warnings[:3]}"
-    assert answers_shown_too_early(executed) == []
+    if not solved:
+        assert answers_shown_too_early(executed) == []
+        return
+    said = [v for c in executed.cells if c.cell_type == "code" for v in verdicts(c)]
+    wrong = [v for v in said if not v.startswith("✓")]
+    assert wrong == [], f"with the solutions of solutions/{path.stem}.py in place, checks said: {wrong}"
+    checks = sum(len(EXERCISE_CELL.findall(c.source)) for c in executed.cells if c.cell_type == "code")
+    assert len(said) == checks, f"{checks} checks, {len(said)} verdicts: {said}"
+
+
+EXERCISE_CELL = re.compile(r"^\s*check(_prediction)?\(", re.M)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_every_exercise_has_a_solution_that_fits_its_cell(path):
+    """solutions/NN_name.py has one block per exercise cell, defining what its stub defines; the sweep's solved run
+    (`make test-ranks`) then runs them through their checks."""
+    nb = nbformat.read(path, as_version=4)
+    exercises = sorted(exercise_cells(nb))
+    assert sorted(solve(nb, solution_blocks(path))) == exercises
+    for index in exercises:
+        ast.parse(python_of(nb.cells[index].source))  # still Python once the block is in
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
@@ -137,7 +247,7 @@ def predictions(nb) -> list[tuple[int, int, str, float, str]]:
                 continue
             calls = [
                 node
-                for node in ast.walk(ast.parse(cell.source.replace("%", "#")))
+                for node in ast.walk(ast.parse(python_of(cell.source)))
                 if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "check_prediction"
             ]
             assert len(calls) == 1 and isinstance(calls[0].args[1], ast.Name), cell.source
