@@ -26,14 +26,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 # Bytes one rank sends per byte of payload, in a group of n ranks. Ring algorithms (what NCCL runs): all-reduce is a
 # reduce-scatter then an all-gather, each passing (n-1)/n of the tensor; broadcast is a pipelined chain, where every
-# rank but the last forwards the whole tensor (nccl-tests' bus factor 1). The payload of an all-to-all and a send is
-# already what leaves the rank.
+# rank but the last forwards the whole tensor (nccl-tests' bus factor 1), and reduce is that chain run backwards. The
+# payload of an all-to-all and a send is already what leaves the rank.
 CostModel = dict[str, Callable[[int], float]]
 RING: CostModel = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
     "all_to_all": lambda n: 1.0,
     "send": lambda n: 1.0,
     "recv": lambda n: 0.0,
@@ -52,11 +53,11 @@ def sent_per_rank(op: str, payload: float, n: int, model: CostModel = RING) -> f
 class Call:
     """One communication on this rank.
 
-    nbytes, the payload: the full tensor of an all-reduce, all-gather (its output), reduce-scatter (its input) and
-    broadcast; the bytes an all-to-all sends to the other ranks; the message of a send or receive.
+    nbytes, the payload: the full tensor of an all-reduce, all-gather (its output), reduce-scatter (its input),
+    broadcast and reduce; the bytes an all-to-all sends to the other ranks; the message of a send or receive.
     """
 
-    op: str  # all_reduce, all_gather, reduce_scatter, broadcast, all_to_all, send, recv, barrier, ...
+    op: str  # all_reduce, all_gather, reduce_scatter, broadcast, reduce, all_to_all, send, recv, barrier, ...
     group: tuple[int, ...]  # the global ranks of the process group
     nbytes: int
     dtype: torch.dtype
@@ -101,6 +102,7 @@ _OPS: dict[str, tuple[str, int, Callable[[tuple], int]]] = {
     "c10d.reduce_scatter_": ("reduce_scatter", 2, lambda a: _nbytes(a[1][0])),
     "c10d.reduce_scatter_tensor_coalesced_": ("reduce_scatter", 2, lambda a: _nbytes(a[1])),
     "c10d.broadcast_": ("broadcast", 1, lambda a: _nbytes(a[0])),
+    "c10d.reduce_": ("reduce", 1, lambda a: _nbytes(a[0])),
     "c10d.alltoall_base_": ("all_to_all", 2, lambda a: _to_others(a[1], list(a[4]), _group(a[2]))),
     "c10d.alltoall_": (
         "all_to_all",

@@ -24,6 +24,7 @@ def every_op(rank, world_size):
         dist.all_gather_single(torch.empty(4 * n * n), x)
         dist.reduce_scatter_single(torch.empty(4), x.clone())
         dist.broadcast(x.clone(), 0)
+        dist.reduce(x.clone(), 0)
         splits = [rank + 1] * n  # rows this rank sends to each rank: uneven on purpose
         received = [r + 1 for r in range(n)]
         dist.all_to_all_single(torch.empty(sum(received), 2), torch.ones(sum(splits), 2), received, splits)
@@ -69,6 +70,7 @@ def test_every_op_is_recorded_with_its_payload_group_and_phase(world_size):
             ("all_gather", 16 * n * n, f32, "forward", None, world),  # the gathered output
             ("reduce_scatter", 16 * n, f32, "forward", None, world),  # the reduced input
             ("broadcast", 16 * n, f32, "forward", None, world),
+            ("reduce", 16 * n, f32, "forward", None, world),
             ("all_to_all", (rank + 1) * (n - 1) * 2 * 4, f32, "forward", None, world),  # to the other ranks only
             ("send", 16 * n, f32, "forward", None, world),
             ("recv", 16 * n, f32, "forward", None, world),
@@ -101,4 +103,4 @@ def test_cost_models_and_readers():
         ("reduce_scatter", (0, 1)): (1, 200),
         ("all_reduce", (0, 2)): (1, 100),
     }
-    assert comms.RING["all_reduce"](4) == 1.5 and comms.RING["broadcast"](4) == 1.0
+    assert comms.RING["all_reduce"](4) == 1.5 and comms.RING["broadcast"](4) == comms.RING["reduce"](4) == 1.0
