@@ -26,15 +26,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 # Bytes one rank sends per byte of payload, in a group of n ranks. Ring algorithms (what NCCL runs): all-reduce is a
 # reduce-scatter then an all-gather, each passing (n-1)/n of the tensor; broadcast is a pipelined chain, where every
-# rank but the last forwards the whole tensor (nccl-tests' bus factor 1), and reduce is that chain run backwards. The
-# payload of an all-to-all and a send is already what leaves the rank.
+# rank but the last forwards the whole tensor (nccl-tests' bus factor 1); in a reduce every rank but the root sends the
+# tensor once (to the next in a chain, or its parent in a tree), (n-1)/n per rank on average, so a loop of reduces, one
+# chunk to each rank, costs a reduce-scatter. The payload of an all-to-all and a send is already what leaves the rank.
 CostModel = dict[str, Callable[[int], float]]
 RING: CostModel = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0,
-    "reduce": lambda n: 1.0,
+    "reduce": lambda n: (n - 1) / n,
     "all_to_all": lambda n: 1.0,
     "send": lambda n: 1.0,
     "recv": lambda n: 0.0,

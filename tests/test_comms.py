@@ -103,4 +103,5 @@ def test_cost_models_and_readers():
         ("reduce_scatter", (0, 1)): (1, 200),
         ("all_reduce", (0, 2)): (1, 100),
     }
-    assert comms.RING["all_reduce"](4) == 1.5 and comms.RING["broadcast"](4) == comms.RING["reduce"](4) == 1.0
+    assert comms.RING["all_reduce"](4) == 1.5 and comms.RING["broadcast"](4) == 1.0
+    assert comms.RING["reduce"](4) == comms.RING["reduce_scatter"](4) == 0.75
