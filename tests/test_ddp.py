@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from course_lib import comms, compare, ddp
 from course_lib.exercises import check, check_prediction
-from course_lib.models import MLP
+from course_lib.models import MLP, param_bytes
 from tests.rank_programs import ddp as rank_programs
 from tests.rank_programs import run, run_source, world_sizes
 
@@ -70,6 +70,8 @@ def test_hooks_snapshot_and_exercise_checkers():
             "accumulate_no_sync_around_backward_only": "step 0: DDP all-reduced 2 times",
             "accumulate_sums_losses": "step 0: 0.weight after your step",
             "hook_torchs_allreduce": "this calls a ready-made all-reduce hook",
+            "hook_torchs_allreduce_fut": "this calls a ready-made all-reduce hook",
+            "accumulate_one_backward_on_the_joined_batch": "step 0: 1 backward pass(es) for 2 micro-batches",
         }
         for wrong, message in expected.items():
             assert verdicts[wrong].startswith(message), (rank, wrong, verdicts[wrong])
@@ -90,11 +92,14 @@ def test_prediction_accepts_the_formula_and_rejects_typical_mistakes(capsys):
     """Exercise 3: bytes per rank per step. The notebook measures the formula + under 1% of headers."""
     import runpy
 
+    big = dict(d_in=256, d_hidden=1024, d_out=256, n_layers=4)  # the notebook's BIG
     big_bytes = 14_697_472
+    assert param_bytes(MLP(**big)) == big_bytes
     for n in (2, 3, 4):
         measured = 1.005 * comms.sent_per_rank("all_reduce", big_bytes, n)
         path = os.path.join(os.path.dirname(__file__), "..", "notebooks", "solutions", "02_ddp.py")
-        predicted = runpy.run_path(path, init_globals={"NPEERS": n, "big_bytes": big_bytes})["predicted_bytes_per_step"]
+        notebook = {"NPEERS": n, "BIG": big, "MLP": MLP, "param_bytes": param_bytes}  # the names above the prompt
+        predicted = runpy.run_path(path, init_globals=notebook)["predicted_bytes_per_step"]
         assert check_prediction("bytes", predicted, measured, rtol=0.03) is True
         wrong = [2 * big_bytes, (n - 1) / n * big_bytes, n * big_bytes, 2 * n * big_bytes]  # no /N, half, x N
         if n > 2:

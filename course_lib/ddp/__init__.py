@@ -8,7 +8,7 @@
 - comm_hooks: torch DDP's compression hooks (fp16, bf16, PowerSGD), a timing hook and a bucket-recording hook
 - unused: a model with branches a step may not take; collectives counted per step; step times measured in turns
 - uneven: ranks with uneven numbers of batches: Join from scratch for MinimalDDP, and the reference run
-- lab: ring bytes, the bucket/overlap simulator and its explorer, memory per rank
+- lab: ring bytes, the bucket/overlap simulator and its explorer, memory per rank, the figures
 - checkers: the exercises' checkers (the solutions are in notebooks/solutions/02_ddp.py)
 """
 
@@ -25,6 +25,10 @@ from course_lib.ddp.compiled import compile_then_ddp, compiled_against_eager, gr
 from course_lib.ddp.lab import (
     ddp_bytes_per_rank,
     draw_buckets,
+    draw_graph_cuts,
+    draw_hooks,
+    draw_overlap,
+    draw_shards,
     low_precision_mean,
     overlap_fraction,
     simulate_buckets,

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib.ddp.comm_hooks import CommHook, timed_allreduce_hook
+from course_lib.ddp.comm_hooks import CommHook, recording_hook, timed_allreduce_hook
 from course_lib.ddp.minimal_ddp import unwrap
 from course_lib.ddp.train import rank_loader
 from course_lib.exercises import ExerciseFailed, expect_equal, refusing
@@ -66,19 +66,22 @@ def check_average_gradient(fn: Callable[[torch.Tensor], None]) -> None:
 
 
 _WRITE_THE_HOOK = (
-    "this calls a ready-made all-reduce hook (torch's allreduce_hook or the course's): write the all-reduce"
+    "this calls a ready-made all-reduce hook (torch's allreduce_hook or _allreduce_fut, or the course's): "
+    "the exercise is to write the all-reduce and the averaging yourself"
 )
 
 
 def check_mean_allreduce_hook(fn: CommHook) -> None:
     """fn as torch DDP's communication hook must give the same gradients as DDP's built-in all-reduce."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import _allreduce_fut, allreduce_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from course_lib.models import MLP
 
+    ready_made = (allreduce_hook, _allreduce_fut, timed_allreduce_hook, recording_hook)
+
     def learners_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        with refusing(allreduce_hook, timed_allreduce_hook, why=_WRITE_THE_HOOK):  # in the thread that runs hooks
+        with refusing(*ready_made, why=_WRITE_THE_HOOK):  # in the thread that runs hooks
             return fn(state, bucket)
 
     model = DDP(MLP(seed=0).to(rank_device()))
@@ -92,7 +95,8 @@ def check_mean_allreduce_hook(fn: CommHook) -> None:
 def check_accumulate_step(fn: Callable[..., None]) -> None:
     """fn(ddp_model, micro_batches, optimizer): one step over 2 micro-batches with accumulated gradients.
     The weights after each step must equal torch DDP's step on the whole rank batch, and DDP must have
-    all-reduced its (single) bucket exactly once per step: no sync is the desync bug, two is no no_sync."""
+    all-reduced its (single) bucket exactly once per step: no sync is the desync bug, two is no no_sync.
+    And one backward per micro-batch: a single backward on the micro-batches concatenated is no accumulation."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from course_lib.models import MLP
@@ -100,16 +104,25 @@ def check_accumulate_step(fn: Callable[..., None]) -> None:
     syncs: list[tuple[int, int, float, float]] = []
     model = DDP(MLP(seed=0).to(rank_device()))  # 60 kB of gradients: one bucket
     model.register_comm_hook(None, timed_allreduce_hook(syncs))
+    backwards: list[int] = []  # one entry per backward pass that reached the first layer's weight
+    model.module[0].weight.register_post_accumulate_grad_hook(lambda param: backwards.append(1))
     reference = DDP(MLP(seed=0).to(rank_device()))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1)
     try:
         for step, (x, y) in enumerate(_exercise_batches()):
             syncs.clear()
+            backwards.clear()
             fn(model, [(x[:8], y[:8]), (x[8:], y[8:])], opt)
             opt_ref.zero_grad(set_to_none=True)
             nn.functional.mse_loss(reference(x), y).backward()
             opt_ref.step()
+            if len(backwards) != 2:
+                raise ExerciseFailed(
+                    f"step {step}: {len(backwards)} backward pass(es) for 2 micro-batches: one forward and backward "
+                    "on the micro-batches joined (torch.cat) is one big batch, not accumulation; the exercise is "
+                    "a backward per micro-batch, all but the last under no_sync()"
+                )
             if not syncs:
                 raise ExerciseFailed(f"step {step}: no all-reduce ran, so this rank stepped with its own gradient")
             if len(syncs) > 1:

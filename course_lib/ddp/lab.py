@@ -123,3 +123,81 @@ def draw_buckets(
     right.set_title("sweep over bucket_cap_mb")
     plt.tight_layout()
     plt.show()
+
+
+def draw_shards(order: list[int], shards: list[list[int]]) -> None:
+    """The first global batch of the shuffled order, each sample coloured by the rank whose shard holds it."""
+    import matplotlib.pyplot as plt
+
+    owner = {sample: rank for rank, shard in enumerate(shards) for sample in shard}
+    batch = order[: sum(len(shard) for shard in shards)]
+    fig, ax = plt.subplots(figsize=(10, 1.1))
+    ax.bar(range(len(batch)), 1, width=1, color=[plt.cm.tab10(owner[s]) for s in batch], edgecolor="white")
+    ax.set(yticks=[], xlabel="position in the shuffled order (the first global batch)", xlim=(-0.5, len(batch) - 0.5))
+    ax.set_title(f"DistributedSampler: rank r takes every {len(shards)}-th sample from position r (colour = rank)")
+    plt.tight_layout()
+    plt.show()
+
+
+def draw_overlap(timelines: dict[str, list[tuple[int, int, float, float]]], backward_ms: dict[str, float]) -> None:
+    """Each run's backward (gray) and its buckets' all-reduces (colours), in ms since backward started."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 2.8))
+    for row, name in enumerate(backward_ms):
+        ax.broken_barh([(0, backward_ms[name])], (2 * row + 0.9, 0.8), color="lightgray")
+        for i, _nbytes, start, end in timelines.get(name, []):
+            y = 2 * row + 0.05 + 0.4 * (i % 2)
+            ax.broken_barh([(start, end - start)], (y, 0.38), color=plt.cm.tab10(i), alpha=0.8)
+            ax.text(start, y + 0.2, f" b{i}", va="center", fontsize=7)
+    ax.set_yticks([2 * row + 1 for row in range(len(backward_ms))], list(backward_ms))
+    ax.set_xlabel("ms since loss.backward() started (rank 0)")
+    ax.set_title("each bucket's all-reduce (colour) against backward (gray); bucket 0 holds the last layer")
+    plt.tight_layout()
+    plt.show()
+
+
+def draw_graph_cuts(splits: dict[str, dict[str, list[int]]], module: torch.nn.Module) -> None:
+    """A strip of `module`'s layers (parameter MB, backward order) per setting: where Dynamo's graphs end (red,
+    above) and where DDP's buckets end (blue, below). A bucket that ends inside a graph waits for that graph."""
+    import itertools
+
+    import matplotlib.pyplot as plt
+
+    layers = [sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for m in module.modules()]
+    layers = [b / 1e6 for b in reversed(layers) if b]
+    fig, ax = plt.subplots(figsize=(10, 0.9 * len(splits) + 0.9))
+    for row, cuts in enumerate(splits.values()):
+        y = -2 * row
+        starts = [0.0, *itertools.accumulate(layers)][:-1]
+        ax.broken_barh(list(zip(starts, layers)), (y, 1), facecolors="lightgray", edgecolor="white", linewidth=2)
+        for key, color, (low, high) in (("graphs", "C3", (y + 1, y + 1.6)), ("buckets", "C0", (y - 0.6, y))):
+            for cut in itertools.accumulate(b / 1e6 for b in cuts[key][:-1]):
+                ax.plot([cut, cut], [low, high], color=color, linewidth=3)
+    ax.set_yticks([-2 * row + 0.5 for row in range(len(splits))], list(splits))
+    ax.set_xlabel("parameter MB, last layer first (gray: one Linear layer each)")
+    ax.set_title("cuts between graphs (red, above) and between buckets (blue, below)")
+    plt.tight_layout()
+    plt.show()
+
+
+def draw_hooks(hooks: dict[str, dict], measured: bool) -> None:
+    """Left: the loss per step of each hook's run. Right: bytes per rank per step, formula (and `measured`)."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.2))
+    for name, h in hooks.items():
+        axes[0].plot(h["losses"], label=f"{name} (gradient error {h['gradient_error']:.0e})")
+    axes[0].set(title="loss per step, torch DDP + hook", xlabel="step", ylabel="MSE")
+    names = list(hooks)
+    axes[1].bar([i - 0.2 for i in range(len(names))], [hooks[n]["formula"] / 1e3 for n in names], 0.4, label="formula")
+    if measured:
+        axes[1].bar(
+            [i + 0.2 for i in range(len(names))], [hooks[n]["bytes_sent"] / 1e3 for n in names], 0.4, label="measured"
+        )
+    axes[1].set_xticks(range(len(names)), names)
+    axes[1].set(ylabel="kB sent per rank per step", title="bytes on the wire")
+    for ax in axes:
+        ax.legend(fontsize=8)
+    plt.tight_layout()
+    plt.show()

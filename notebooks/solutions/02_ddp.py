@@ -18,9 +18,9 @@ def mean_allreduce_hook(state, bucket):
     return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
-# Exercise 3 (predict): a ring all-reduce sends 2(N-1)/N of the gradient bytes per rank (section 1);
-# MinimalDDP all-reduces every gradient once per backward: P = big_bytes, N = NPEERS.
-predicted_bytes_per_step = 2 * (NPEERS - 1) / NPEERS * big_bytes  # noqa: F821 (the notebook's names)
+# Exercise 3 (predict): a ring all-reduce sends 2(N-1)/N of the gradient bytes per rank (section 1), and MinimalDDP
+# all-reduces every float32 gradient once per backward: P = the parameter bytes of MLP(**BIG), N = NPEERS.
+predicted_bytes_per_step = 2 * (NPEERS - 1) / NPEERS * param_bytes(MLP(**BIG))  # noqa: F821 (the notebook's names)
 
 
 # Exercise 4 (diagnose): every micro-batch ran under no_sync(), so DDP never all-reduced and each rank

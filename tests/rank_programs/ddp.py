@@ -113,6 +113,12 @@ def hook_torchs_allreduce(state, bucket):  # the shortcut: torch's own default h
     return allreduce_hook(None, bucket)
 
 
+def hook_torchs_allreduce_fut(state, bucket):  # the shortcut: the helper inside torch's default hook
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks._allreduce_fut(None, bucket.buffer())
+
+
 def hook_local_only(state, bucket):
     future: torch.futures.Future = torch.futures.Future()
     future.set_result(bucket.buffer())
@@ -143,6 +149,14 @@ def accumulate_no_sync_around_backward_only(model, micro_batches, optimizer):  #
     optimizer.step()
 
 
+def accumulate_one_backward_on_the_joined_batch(model, micro_batches, optimizer):  # the shortcut: no accumulation
+    optimizer.zero_grad(set_to_none=True)
+    x = torch.cat([x for x, _ in micro_batches])
+    y = torch.cat([y for _, y in micro_batches])
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    optimizer.step()
+
+
 def accumulate_sums_losses(model, micro_batches, optimizer):  # forgets to divide by the micro-batch count
     optimizer.zero_grad(set_to_none=True)
     for i, (x, y) in enumerate(micro_batches):
@@ -155,12 +169,14 @@ def accumulate_sums_losses(model, micro_batches, optimizer):  # forgets to divid
 
 
 def solutions() -> dict:
-    """notebooks/solutions/02_ddp.py (the prediction needs the notebook's NPEERS and big_bytes)."""
+    """notebooks/solutions/02_ddp.py (the prediction needs the notebook's NPEERS, BIG, MLP and param_bytes)."""
     import runpy
     from pathlib import Path
 
+    from course_lib.models import MLP, param_bytes
+
     path = Path(__file__).resolve().parents[2] / "notebooks" / "solutions" / "02_ddp.py"
-    return runpy.run_path(str(path), init_globals={"NPEERS": 2, "big_bytes": 1})
+    return runpy.run_path(str(path), init_globals={"NPEERS": 2, "BIG": {}, "MLP": MLP, "param_bytes": param_bytes})
 
 
 def hooks_snapshot_and_exercises(rank: int, world_size: int, snapshot_path: str) -> dict:
@@ -200,7 +216,13 @@ def hooks_snapshot_and_exercises(rank: int, world_size: int, snapshot_path: str)
         (ddp.check_average_gradient, (solution["average_gradient"], sum_without_average, local_only)),
         (
             ddp.check_mean_allreduce_hook,
-            (solution["mean_allreduce_hook"], hook_sum_only, hook_local_only, hook_torchs_allreduce),
+            (
+                solution["mean_allreduce_hook"],
+                hook_sum_only,
+                hook_local_only,
+                hook_torchs_allreduce,
+                hook_torchs_allreduce_fut,
+            ),
         ),
         (
             ddp.check_accumulate_step,
@@ -210,6 +232,7 @@ def hooks_snapshot_and_exercises(rank: int, world_size: int, snapshot_path: str)
                 accumulate_syncs_every_micro_batch,
                 accumulate_no_sync_around_backward_only,
                 accumulate_sums_losses,
+                accumulate_one_backward_on_the_joined_batch,
             ),
         ),
     ):
