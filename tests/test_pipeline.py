@@ -12,7 +12,8 @@ from course_lib.exercises import check
 from tests.rank_programs import assert_checker, judge, run, run_source, world_sizes
 from tests.rank_programs import pipeline as rank_programs
 
-SOLUTIONS = runpy.run_path(str(Path(__file__).parents[1] / "notebooks" / "solutions" / "09_pipeline_parallel.py"))
+SOLUTION_FILE = str(Path(__file__).parents[1] / "notebooks" / "solutions" / "09_pipeline_parallel.py")
+SOLUTIONS = runpy.run_path(SOLUTION_FILE, init_globals={"NPROC": 2})
 
 # ---- on paper (no processes) ----------------------------------------------------------
 
@@ -304,6 +305,33 @@ def torch_order(stage, n_stages, n_microbatches):  # torch's 1F1B order, read ou
     return [(kind, i) for kind, i in kinds if kind in ("F", "B")]
 
 
+def torch_rank_ops(stage, n_stages, n_microbatches):  # torch's generator behind its interleaved schedules, v = 1
+    from torch.distributed.pipelining.schedules import _get_1f1b_rank_ops
+
+    warmup = min(n_stages - 1 - stage, n_microbatches)
+    ops = _get_1f1b_rank_ops(
+        1, n_stages, warmup, n_microbatches - warmup, warmup, stage, lambda step: stage, lambda step: stage
+    )
+    return [(a.computation_type.value, a.microbatch_index) for a in ops if a is not None]
+
+
+def torch_interleaved_one_stage(stage, n_stages, n_microbatches):  # ScheduleInterleaved1F1B with one stage per rank
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+
+    rounds = max(1, n_microbatches // n_stages)
+    state = SimpleNamespace(
+        n_local_stages=1,
+        pp_group_size=n_stages,
+        microbatches_per_round=n_microbatches // rounds,
+        number_of_rounds=rounds,
+        _n_microbatches=n_microbatches,
+    )
+    ops = ScheduleInterleaved1F1B._calculate_single_rank_operations(state, stage)
+    return [(a.computation_type.value, a.microbatch_index) for a in ops if a is not None]
+
+
 def gpipe_order(stage, n_stages, n_microbatches):  # runs, same bubble, but holds all m activations
     return [("F", i) for i in range(n_microbatches)] + [("B", i) for i in range(n_microbatches)]
 
@@ -345,6 +373,8 @@ ONE_F_ONE_B_WRONG = {
     one_f_one_b_library: "your function calls schedule_actions (recorded)",
     one_f_one_b_private: "your function calls _one_f_one_b_actions (recorded)",
     torch_order: "your function calls Schedule1F1B._get_pipeline_order (recorded)",
+    torch_rank_ops: "your function calls torch's _get_1f1b_rank_ops (recorded)",
+    torch_interleaved_one_stage: "your function calls ScheduleInterleaved1F1B (recorded)",
     gpipe_order: re.compile(r"stage \d of \d, n_microbatches=2: holds 2 micro-batches' activations at once"),
     one_at_a_time: re.compile(r"n_microbatches=2: the lists run and hold little, but .* a bubble of 0\.\d+ where"),
     warmup_one_too_many: re.compile(r"stage \d of \d, n_microbatches=2: holds 2 micro-batches' activations"),
@@ -403,8 +433,8 @@ def test_bubble_prediction(p, capsys):
     m = 2 * p  # the notebook's M_SHOW
     events = pp.simulate(pp.schedule_actions("interleaved 1F1B", p, m), 2 * p, t_forward=1, t_backward=2)
     measured = pp.bubble_fraction(events, p)
-    predict = SOLUTIONS["predicted_interleaved_bubble"]
-    assert check_prediction("bubble", predict(p, m), measured, rtol=0.05) is True
+    predicted = runpy.run_path(SOLUTION_FILE, init_globals={"NPROC": p})["predicted_bubble"]
+    assert check_prediction("bubble", predicted, measured, rtol=0.05) is True
     for wrong in (
         pp.ideal_bubble(p, m),  # forgets v: 1F1B's bubble
         (p - 1) / p,  # naive model parallelism

@@ -10,7 +10,8 @@ from course_lib.models import TransformerBlock
 from tests.rank_programs import assert_checker, judge, run, run_source, world_sizes
 from tests.rank_programs import tensor_parallel as rank_programs
 
-SOLUTIONS = runpy.run_path(str(Path(__file__).parent.parent / "notebooks" / "solutions" / "08_tensor_parallel.py"))
+SOLUTION_FILE = str(Path(__file__).parent.parent / "notebooks" / "solutions" / "08_tensor_parallel.py")
+SOLUTIONS = runpy.run_path(SOLUTION_FILE, init_globals={"NPROC": 2, "TransformerBlock": TransformerBlock})
 
 
 @pytest.mark.parametrize("n", world_sizes(2, 3, 4))
@@ -70,6 +71,24 @@ def wrong_the_course_gather(grad_slice):  # the shortcut: the course's all-gathe
     return operators.gather_last_dim(grad_slice)
 
 
+def wrong_zero_padded_all_reduce(grad_slice):  # right numbers, twice an all-gather's bytes
+    import torch
+    import torch.distributed as dist
+
+    n, r, width = dist.get_world_size(), dist.get_rank(), grad_slice.shape[-1]
+    out = torch.zeros(*grad_slice.shape[:-1], width * n)
+    out[..., r * width : (r + 1) * width] = grad_slice
+    dist.all_reduce(out)
+    return out
+
+
+def wrong_autograd_all_gather(grad_slice):  # the shortcut: torch's ready-made autograd gather
+    import torch
+    from torch.distributed.nn.functional import all_gather
+
+    return torch.cat(all_gather(grad_slice.contiguous()), dim=-1)
+
+
 def stub_split_backward(grad_slice):
     raise NotImplementedError
 
@@ -80,6 +99,9 @@ def test_split_backward_checker():
         wrong_pad_own_slice: "got 0 (72 of 108 elements wrong)",  # only its own features' gradient
         wrong_reversed_order: "is computed on rank",
         wrong_the_course_gather: "this calls the course's own gather (gather_last_dim)",
+        # 3 ranks: the gradient is 3 x 36 floats (432 bytes); an all-gather sends 2/3 of it, an all-reduce twice that
+        wrong_zero_padded_all_reduce: "this rank sent 576 bytes where an all-gather of the slices' gradients sends 288",
+        wrong_autograd_all_gather: "this calls torch.distributed.nn.functional.all_gather",
     }
     assert_checker(tp.check_split_backward, SOLUTIONS["split_backward"], wrong, stub=stub_split_backward)
 
@@ -165,7 +187,9 @@ def test_parameter_bytes_prediction(n, capsys):
     )
     total = sum(p.numel() * 4 for p in full.parameters())
     measured = replicated + (total - replicated) // n  # what the notebook measures (asserted there)
-    assert check_prediction("bytes", SOLUTIONS["predicted_parameter_bytes"](n), measured, rtol=0.002) is True
+    notebook = {"NPROC": n, "TransformerBlock": TransformerBlock}  # the names the notebook defines above the prompt
+    predicted = runpy.run_path(SOLUTION_FILE, init_globals=notebook)["predicted_parameter_bytes"]
+    assert check_prediction("bytes", predicted, measured, rtol=0.002) is True
     for wrong in (total / n, total, (total - replicated) / n, replicated * n + (total - replicated) / n):
         assert check_prediction("bytes", wrong, measured, rtol=0.002) is False, (n, wrong)
     assert "too" in capsys.readouterr().out

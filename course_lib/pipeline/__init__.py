@@ -14,7 +14,7 @@ benchmark use.
 """
 
 from course_lib.pipeline.checkers import check_one_f_one_b, check_pipeline_step
-from course_lib.pipeline.execution import execute, naive_model_parallel
+from course_lib.pipeline.execution import execute, naive_model_parallel, run_action
 from course_lib.pipeline.lab import (
     TORCH_SCHEDULES,
     draw_schedule,

@@ -51,8 +51,9 @@ def _short(actions: Sequence[Action]) -> str:
 
 
 def _library_schedules() -> dict[str, Callable[..., Any]]:
-    """The schedule generators exercise 2 refuses to see called: the course's, and torch's 1F1B order."""
-    from torch.distributed.pipelining.schedules import Schedule1F1B
+    """The schedule generators exercise 2 refuses to see called: the course's, and torch's 1F1B orders (its
+    interleaved generator with one stage per rank is 1F1B)."""
+    from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleInterleaved1F1B, _get_1f1b_rank_ops
 
     return {
         "schedule_actions": schedule_actions,
@@ -60,6 +61,8 @@ def _library_schedules() -> dict[str, Callable[..., Any]]:
         "interleaved_actions": interleaved_actions,
         "zero_bubble_actions": zero_bubble_actions,  # 1F1B once its W's are dropped
         "Schedule1F1B._get_pipeline_order": Schedule1F1B._get_pipeline_order,
+        "ScheduleInterleaved1F1B": ScheduleInterleaved1F1B,
+        "torch's _get_1f1b_rank_ops": _get_1f1b_rank_ops,
     }
 
 

@@ -109,34 +109,20 @@ def execute(
         kind, mb, stage = action
         last = stage == n_stages - 1
         # 1. wait for the data this action needs: time spent here is the bubble
+        received = None
         if kind == "F":
-            x = inputs[mb].to(device) if stage == 0 else receive("F", mb, stage - 1).requires_grad_()
-        elif kind == "B":
-            grad = None if last else receive("B", mb, stage + 1)
+            received = inputs[mb].to(device) if stage == 0 else receive("F", mb, stage - 1).requires_grad_()
+        elif kind == "B" and not last:
+            received = receive("B", mb, stage + 1)
         # 2. compute
         start = time.perf_counter()
+        target = targets[mb].to(device) if last and kind == "F" else None
+        result = run_action(action, modules[stage], received, saved, split, target, loss_fn, m)
+        if target is not None and result is not None:  # the last stage's forward returned its loss
+            losses[mb], result = result.item(), None
         if kind == "F":
-            with recording_layer_outputs(modules[stage]) as layers:  # where a split backward's W starts
-                out = modules[stage](x)
-            if last:
-                out = loss_fn(out, targets[mb].to(device))
-                losses[mb] = out.item()
-                out = out / m  # mean over micro-batches = mean over the batch
-            saved[(stage, mb)] = (x, out, layers)  # kept until this micro-batch's backward (its W if split)
             peak[stage] = max(peak.get(stage, 0), sum(1 for s, _ in saved if s == stage))
-            result, to_stage = (None if last else out.detach()), stage + 1
-        elif kind == "B" and (stage, mb) not in split:
-            x, out, _ = saved.pop((stage, mb))
-            out.backward(grad)  # grad is None for the loss
-            result, to_stage = (x.grad if stage > 0 else None), stage - 1
-        elif kind == "B":  # the input gradient only: the layers and the gradients at their outputs wait for W
-            x, out, layers = saved[(stage, mb)]
-            result, output_grads = backward_input(x, out, grad, layers)
-            saved[(stage, mb)] = (layers, output_grads)
-            to_stage = stage - 1
-        else:  # W: the weight gradients, which no other rank waits for
-            backward_weight(*saved.pop((stage, mb)))
-            result = None
+        to_stage = stage + 1 if kind == "F" else stage - 1
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # time the kernels, not their launch
         if min_seconds:  # the result is only "ready" once the emulated compute time has passed
@@ -152,6 +138,42 @@ def execute(
     for work, _ in pending:
         work.wait()
     return RunRecord(losses, events, peak)
+
+
+def run_action(
+    action: Action,
+    module: nn.Module,
+    received: torch.Tensor | None,
+    saved: dict[tuple[int, int], tuple],
+    split: set[tuple[int, int]],
+    target: torch.Tensor | None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    n_microbatches: int,
+) -> torch.Tensor | None:
+    """One action on its stage. F: `received` is the input; returns the output the next stage waits for (the
+    loss on the last stage, which has a `target`). B: `received` is the output's gradient (None under the
+    loss); returns the input gradient the previous stage waits for. A B whose W is in the list (`split`)
+    computes only that; W adds the weight gradients, and nobody waits for it."""
+    kind, mb, stage = action
+    if kind == "F":
+        with recording_layer_outputs(module) as layers:  # where a split backward's W starts
+            out = module(received)
+        if target is not None:
+            loss = loss_fn(out, target)
+            out = loss / n_microbatches  # mean over micro-batches = mean over the batch
+        saved[(stage, mb)] = (received, out, layers)  # kept until this micro-batch's backward (its W if split)
+        return loss.detach() if target is not None else out.detach()
+    if kind == "B" and (stage, mb) not in split:
+        x, out, _ = saved.pop((stage, mb))
+        out.backward(received)  # the whole backward: input and weight gradients
+        return x.grad if stage > 0 else None
+    if kind == "B":  # the input gradient only: the layers and the gradients at their outputs wait for W
+        x, out, layers = saved[(stage, mb)]
+        input_grad, output_grads = backward_input(x, out, received, layers)
+        saved[(stage, mb)] = (layers, output_grads)
+        return input_grad
+    backward_weight(*saved.pop((stage, mb)))  # W: the weight gradients
+    return None
 
 
 def naive_model_parallel(

@@ -12,12 +12,16 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import comms
-from course_lib.exercises import ExerciseFailed, refusing
+from course_lib.exercises import ExerciseFailed, calls_into
 from course_lib.launch.runtime import rank_device
 from course_lib.tensor_parallel.layers import RowParallelLinear
 from course_lib.tensor_parallel.operators import GatherFromParallel, gather_last_dim
 
 _WRITE_THE_GATHER = "this calls the course's own gather (gather_last_dim): write the collective yourself"
+_AUTOGRAD_GATHER = (
+    "this calls torch.distributed.nn.functional.all_gather, a ready-made autograd gather: the exercise is to write "
+    "the split's backward yourself, with dist.all_gather and torch.cat"
+)
 
 
 def check_split_backward(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -36,8 +40,26 @@ def check_split_backward(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
     expected = x.grad.clone()
 
     def checked(grad_slice: torch.Tensor) -> torch.Tensor:
-        with refusing(gather_last_dim, GatherFromParallel, why=_WRITE_THE_GATHER):
-            got = fn(grad_slice)
+        from torch.distributed.nn import functional as autograd_collectives
+
+        ready_made = {
+            "course": gather_last_dim,
+            "course layer": GatherFromParallel,
+            "autograd": autograd_collectives.all_gather,
+        }
+        with calls_into(ready_made) as called, comms.Recorder() as recorder:
+            try:
+                got = fn(grad_slice)
+            finally:
+                if called:
+                    raise ExerciseFailed(_AUTOGRAD_GATHER if called[0] == "autograd" else _WRITE_THE_GATHER)
+        sent, budget = recorder.sent_bytes(), comms.RING["all_gather"](n) * expected.numel() * expected.element_size()
+        if sent > budget + 1e-9:
+            raise ExerciseFailed(
+                f"rank {rank}: this rank sent {sent:,.0f} bytes where an all-gather of the slices' gradients sends "
+                f"{budget:,.0f}: an all-reduce of a zero-padded tensor (or any sum) moves twice that. Every rank "
+                "already has its own slice: it only needs the others'"
+            )
         if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
             shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
             raise ExerciseFailed(

@@ -3,16 +3,14 @@
 Each function is self-contained (imports inside), because `check` sends its source to the ranks.
 """
 
-# Exercise 1 (predict): parameter bytes per rank under TP on N ranks. The two LayerNorms (weight and bias) and
-# the biases of the row-parallel layers (o, down) are replicated; every other parameter is split N ways
-# (section 4's formula P_rep + P_shard / N). For the course's block (48 wide): 113088 bytes in all,
-# P_rep = (2 x 2 + 2) x 48 floats x 4 bytes = 1152 bytes. Forgetting the replicated part (113088 / N) is off
-# by 1-5 %; forgetting that TP shards at all (113088) by a factor N.
-#     predicted_parameter_bytes = 1152 + (113088 - 1152) / NPROC
-
-
-def predicted_parameter_bytes(ranks: int, full_bytes: int = 113088, replicated_bytes: int = 1152) -> float:
-    return replicated_bytes + (full_bytes - replicated_bytes) / ranks
+# Exercise 1 (predict): parameter bytes per rank under TP on N = NPROC ranks: P_rep + P_shard / N. The two
+# LayerNorms (weight and bias) and the biases of the row-parallel layers (o, down) are replicated; every other
+# parameter is split N ways. Forgetting the replicated part (all / N) is off by 1-5 %; forgetting that TP shards
+# at all, by a factor N.
+predicted_parameter_bytes = sum(
+    4 * p.numel() / (1 if name.startswith("norm") or name.endswith(("o.bias", "down.bias")) else NPROC)  # noqa: F821
+    for name, p in TransformerBlock().named_parameters()  # noqa: F821 (the notebook's names)
+)
 
 
 # Exercise 2 (implement): the backward of the split operator: all-gather the slices' gradients, concatenate

@@ -5,12 +5,8 @@ Each function is self-contained (imports inside), because `check` sends its sour
 
 # Exercise 1 (predict): the ideal bubble of interleaved 1F1B with p = NPROC ranks, v = 2 virtual stages per
 # rank and m = 2p micro-batches. Each action is 1/v of a stage's work, so the fill and drain shrink v times:
-#     predicted_bubble = (p - 1) / (v * m + p - 1) = (p - 1) / (5p - 1)
-# Forgetting v gives 1F1B's (p - 1) / (m + p - 1), about 1.7x too high.
-
-
-def predicted_interleaved_bubble(p: int, m: int, v: int = 2) -> float:
-    return (p - 1) / (v * m + p - 1)
+# (p - 1) / (v m + p - 1) = (p - 1) / (5p - 1). Forgetting v gives 1F1B's (p - 1) / (m + p - 1), about 1.7x too high.
+predicted_bubble = (NPROC - 1) / (2 * (2 * NPROC) + NPROC - 1)  # noqa: F821 (the notebook's NPROC)
 
 
 # Exercise 2 (implement): 1F1B's action list for one stage. Stage s runs p - 1 - s warm-up forwards: just enough
