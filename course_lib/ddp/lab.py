@@ -164,8 +164,8 @@ def draw_graph_cuts(splits: dict[str, dict[str, list[int]]], module: torch.nn.Mo
 
     import matplotlib.pyplot as plt
 
-    layers = [sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for m in module.modules()]
-    layers = [b / 1e6 for b in reversed(layers) if b]
+    own = [sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for m in module.modules()]
+    layers = [b / 1e6 for b in reversed(own) if b]
     fig, ax = plt.subplots(figsize=(10, 0.9 * len(splits) + 0.9))
     for row, cuts in enumerate(splits.values()):
         y = -2 * row
@@ -199,5 +199,40 @@ def draw_hooks(hooks: dict[str, dict], measured: bool) -> None:
     axes[1].set(ylabel="kB sent per rank per step", title="bytes on the wire")
     for ax in axes:
         ax.legend(fontsize=8)
+    plt.tight_layout()
+    plt.show()
+
+
+def draw_runs(losses: dict[str, list[float]], reference: str = "single process") -> None:
+    """Left: the loss per step of each run. Right: each run's distance from the `reference` run's loss."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.2))
+    for (name, curve), style in zip(losses.items(), ["-", "--", ":", "-.", (0, (1, 3))]):
+        axes[0].plot(curve, linestyle=style, label=name)
+        if name != reference:
+            axes[1].semilogy([abs(a - b) + 1e-12 for a, b in zip(curve, losses[reference])], linestyle=style)
+    axes[0].set(title=f"loss per step: {len(losses)} runs, one curve", xlabel="step", ylabel="MSE")
+    axes[1].set(title=f"|loss - {reference} loss|", xlabel="step", ylim=(1e-12, 1e-3))
+    axes[0].legend(fontsize=8)
+    plt.tight_layout()
+    plt.show()
+
+
+def draw_join(batches_per_rank: list[int]) -> None:
+    """Join, step by step: a rank with a batch computes and all-reduces its gradient (colour); a rank out of batches
+    shadows the others' all-reduces with zeros (hatched), until no rank has a batch left."""
+    import matplotlib.pyplot as plt
+
+    steps = max(batches_per_rank)
+    fig, ax = plt.subplots(figsize=(6, 0.45 * len(batches_per_rank) + 0.9))
+    for rank, n in enumerate(batches_per_rank):
+        ax.broken_barh([(s, 0.9) for s in range(n)], (rank, 0.8), color=plt.cm.tab10(rank))
+        ax.broken_barh(
+            [(s, 0.9) for s in range(n, steps)], (rank, 0.8), facecolor="white", edgecolor="gray", hatch="//"
+        )
+    ax.set_yticks([r + 0.4 for r in range(len(batches_per_rank))], [f"rank {r}" for r in range(len(batches_per_rank))])
+    ax.set_xticks([s + 0.45 for s in range(steps)], [f"step {s}" for s in range(steps)])
+    ax.set_title("Join: a batch and its all-reduce (colour), zeros all-reduced in its place (hatched)")
     plt.tight_layout()
     plt.show()
