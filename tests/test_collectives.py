@@ -182,14 +182,18 @@ def reduce_scatter_with_torch(tensor):
     return out
 
 
-def _gather_all(chunk, sizes):  # an all-gather by direct sends
+def _gather_all(chunk, sizes):  # a ring all-gather: the chunks, in rank order
     rank, n = dist.get_rank(), dist.get_world_size()
     parts = [torch.empty(size) for size in sizes]
-    ops = [dist.P2POp(dist.isend, chunk, r) for r in range(n) if r != rank]
-    ops += [dist.P2POp(dist.irecv, parts[r], r) for r in range(n) if r != rank]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
     parts[rank] = chunk
+    for step in range(n - 1):
+        send, receive = (rank - step) % n, (rank - 1 - step) % n
+        ops = [
+            dist.P2POp(dist.isend, parts[send], (rank + 1) % n),
+            dist.P2POp(dist.irecv, parts[receive], (rank - 1) % n),
+        ]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
     return parts
 
 
@@ -198,14 +202,15 @@ def reduce_scatter_even_split_only(tensor):  # sent alone by check(): self-conta
     import torch.distributed as dist
 
     rank, n = dist.get_rank(), dist.get_world_size()
-    chunks = torch.tensor_split(tensor, n)
-    received = [torch.empty_like(chunks[rank]) for _ in range(n)]
-    ops = [dist.P2POp(dist.isend, chunks[r].contiguous(), r) for r in range(n) if r != rank]
-    ops += [dist.P2POp(dist.irecv, received[r], r) for r in range(n) if r != rank]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    received[rank] = chunks[rank]
-    return sum(received)[: tensor.numel() // n]  # drops the remainder: wrong when N does not divide numel
+    chunks = [chunk.clone() for chunk in torch.tensor_split(tensor, n)]
+    for step in range(n - 1):  # the ring, right
+        send, receive = (rank - 1 - step) % n, (rank - 2 - step) % n
+        incoming = torch.empty_like(chunks[receive])
+        ops = [dist.P2POp(dist.isend, chunks[send], (rank + 1) % n), dist.P2POp(dist.irecv, incoming, (rank - 1) % n)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        chunks[receive] += incoming
+    return chunks[rank][: tensor.numel() // n]  # drops the remainder: wrong when N does not divide numel
 
 
 def all_gather_own_chunk_only(chunk, sizes):
@@ -237,6 +242,49 @@ def all_gather_with_torch(chunk, sizes):
     out = [torch.empty(size) for size in sizes]
     dist.all_gather(out, chunk)
     return torch.cat(out)
+
+
+def reduce_scatter_by_naive_all_reduce(tensor):  # the shortcut: the whole sum through rank 0, then cut
+    from course_lib.collectives import naive_all_reduce
+
+    return torch.tensor_split(naive_all_reduce(tensor.clone()), dist.get_world_size())[dist.get_rank()]
+
+
+def reduce_scatter_direct(tensor):  # chunk c straight to rank c: the bytes of a ring, but no ring
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunks = torch.tensor_split(tensor, n)
+    received = [torch.empty_like(chunks[rank]) for _ in range(n)]
+    ops = [dist.P2POp(dist.isend, chunks[r].contiguous(), r) for r in range(n) if r != rank]
+    ops += [dist.P2POp(dist.irecv, received[r], r) for r in range(n) if r != rank]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return sum(received[r] for r in range(n) if r != rank) + chunks[rank]
+
+
+def all_gather_zero_padded_naive(chunk, sizes):  # the shortcut: zero-pad the chunk to the full size, sum all of them
+    from course_lib.collectives import chunk_offsets, naive_all_reduce
+
+    rank, offsets = dist.get_rank(), chunk_offsets(sizes)
+    full = torch.zeros(sum(sizes))
+    full[offsets[rank] : offsets[rank + 1]] = chunk
+    return naive_all_reduce(full)
+
+
+def all_gather_zero_padded_ring(chunk, sizes):  # right peers, but whole zero-padded tensors around the ring
+    from course_lib.collectives import chunk_offsets
+
+    rank, n, offsets = dist.get_rank(), dist.get_world_size(), chunk_offsets(sizes)
+    full = torch.zeros(sum(sizes))
+    full[offsets[rank] : offsets[rank + 1]] = chunk
+    passing = full.clone()
+    for _ in range(n - 1):
+        incoming = torch.empty_like(full)
+        ops = [dist.P2POp(dist.isend, passing, (rank + 1) % n), dist.P2POp(dist.irecv, incoming, (rank - 1) % n)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        full += incoming
+        passing = incoming
+    return full
 
 
 def _old_fixed_seed_data(numel, rank):  # what the checkers once fed: knowable without communicating
@@ -317,6 +365,10 @@ WRONG = [
     ("all_gather_by_the_course_steps", "check_all_gather", "this calls the course's own ring (section 4"),
     ("reduce_scatter_from_the_seed", "check_reduce_scatter", "reduce_scatter of 12 elements on 3 ranks"),
     ("all_gather_from_the_seed", "check_all_gather", "all_gather of 12 elements on 3 ranks"),
+    ("reduce_scatter_by_naive_all_reduce", "check_reduce_scatter", "with collectives.naive_all_reduce (every tensor"),
+    ("reduce_scatter_direct", "check_reduce_scatter", "in a ring a rank sends only to its right neighbour"),
+    ("all_gather_zero_padded_naive", "check_all_gather", "with collectives.naive_all_reduce (every tensor"),
+    ("all_gather_zero_padded_ring", "check_all_gather", "whole or zero-padded tensors are not the ring"),
     ("pass_right_nonblocking", "check_pass_right", "dist.isend is not allowed here: the exercise is to fix the order"),
     ("pass_right_wrong_direction", "check_pass_right", "(the token of rank"),
     ("pass_right_local", "check_pass_right", "(the token of rank"),

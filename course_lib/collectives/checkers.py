@@ -1,5 +1,6 @@
-"""Notebook 01's exercise checkers: a reduce-scatter and an all-gather from send/recv (torch's collectives
-switched off while they run), and the deadlocking token pass to repair by ordering blocking send and recv.
+"""Notebook 01's exercise checkers: a ring reduce-scatter and a ring all-gather from send/recv (torch's collectives
+switched off while they run; each rank's messages held to the ring: only to the right neighbour, only from the
+left one, (N-1)/N of the tensor sent), and the deadlocking token pass to repair by ordering blocking send and recv.
 
 The solutions are in notebooks/solutions/01_collectives.py.
 """
@@ -7,13 +8,15 @@ The solutions are in notebooks/solutions/01_collectives.py.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from course_lib import comms
 from course_lib.collectives import ring
 from course_lib.collectives.ring import chunk_sizes
-from course_lib.exercises import ExerciseFailed, expect_equal, refusing
+from course_lib.exercises import ExerciseFailed, calls_into, expect_equal
 from course_lib.exercises.calls import (
     COLLECTIVES,
     DEADLOCK_S,
@@ -35,6 +38,67 @@ _COURSE_RING = (  # what section 4 shows after the exercises: the answer, not a 
     ring.ring_all_reduce,
 )
 _WRITE_IT = "this calls the course's own ring (section 4 shows it): write the sends and receives yourself"
+_NOT_NAIVE = (
+    "this computes the whole sum with collectives.naive_all_reduce (every tensor through rank 0) and cuts it "
+    "afterwards: the exercise is the ring, one chunk to the right neighbour per step"
+)
+
+
+class _Messages(comms.Recorder):
+    """comms.Recorder (bytes sent), and the peer of every send and receive this rank posts, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.peers: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func.namespace == "c10d" and func._opname in ("send", "recv_"):
+            self.peers.append((func._opname.rstrip("_"), int(args[2])))  # (tensors, group, peer, tag)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _off_the_ring(what: str, messages: _Messages, sizes: list[int], element_size: int) -> str | None:
+    """Why this rank's messages are not a ring's (None if they are): a ring rank sends only to its right neighbour,
+    receives only from its left one, and sends N-1 chunks, (N-1)/N of the tensor."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % n, (rank - 1) % n
+    strays = sorted(
+        {
+            f"{kind} {'to' if kind == 'send' else 'from'} rank {peer}"
+            for kind, peer in messages.peers
+            if peer != (right if kind == "send" else left)
+        }
+    )
+    if strays:
+        return (
+            f"{what}: rank {rank} made {', '.join(strays)}; in a ring a rank sends only to its right neighbour "
+            f"(rank {right}) and receives only from its left one (rank {left}): the exercise is the ring's steps"
+        )
+    budget, sent = (n - 1) * max(sizes) * element_size, messages.wire_bytes()
+    if sent > budget:
+        return (
+            f"{what}: rank {rank} sent {sent} bytes of a {sum(sizes) * element_size}-byte tensor; a ring sends N-1 "
+            f"chunks, (N-1)/N of it (at most {budget} bytes here): whole or zero-padded tensors are not the ring"
+        )
+    return None
+
+
+def _ring_only(fn: Callable[..., Any], args: tuple, what: str, sizes: list[int], element_size: int) -> Any:
+    """fn(*args) with torch's collectives and the course's ring refused, its messages held to a ring's on every
+    rank (the first offending rank's reason, raised on all of them, so the ranks stay in step)."""
+    side = side_group()
+    course = {f.__qualname__: f for f in (*_COURSE_RING, ring.naive_all_reduce)}
+    with calls_into(course) as ran:  # refusing(), with a reason for each (sys.setprofile holds one hook at a time)
+        try:
+            with record_calls(forbidden=COLLECTIVES, advice=_POINT_TO_POINT_ONLY), _Messages() as messages:
+                got = fn(*args)
+        finally:
+            if ran:
+                raise ExerciseFailed(_NOT_NAIVE if "naive_all_reduce" in ran else _WRITE_IT)
+    problems = [p for p in gather_reports(_off_the_ring(what, messages, sizes, element_size), side) if p]
+    if problems:
+        raise ExerciseFailed(problems[0])
+    return got
 
 
 # Sizes the checks try: divisible, not divisible, fewer elements than ranks are added per N.
@@ -49,34 +113,34 @@ def _secret(numel: int) -> torch.Tensor:
 
 
 def check_reduce_scatter(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """fn(tensor) on every rank must return chunk `rank` of the sum, cut as torch.tensor_split does."""
+    """fn(tensor) on every rank must return chunk `rank` of the sum, cut as torch.tensor_split does, by a ring."""
     rank, n = dist.get_rank(), dist.get_world_size()
     for numel in _check_sizes(n):
         data = _secret(numel)
         total = data.clone()
         dist.all_reduce(total)
         expected = torch.tensor_split(total, n)[rank]
-        with record_calls(forbidden=COLLECTIVES, advice=_POINT_TO_POINT_ONLY), refusing(*_COURSE_RING, why=_WRITE_IT):
-            got = fn(data.clone())
+        what = f"reduce_scatter of {numel} elements on {n} ranks"
+        got = _ring_only(fn, (data.clone(),), what, chunk_sizes(numel, n), data.element_size())
         expect_equal(
-            f"reduce_scatter of {numel} elements on {n} ranks (chunk {rank})",
+            f"{what} (chunk {rank})",
             got.reshape(-1) if isinstance(got, torch.Tensor) else got,
             expected,
         )
 
 
 def check_all_gather(fn: Callable[[torch.Tensor, list[int]], torch.Tensor]) -> None:
-    """fn(chunk, sizes) on every rank must return all chunks concatenated in rank order."""
+    """fn(chunk, sizes) on every rank must return all chunks concatenated in rank order, by a ring."""
     rank, n = dist.get_rank(), dist.get_world_size()
     for numel in _check_sizes(n):
         full = _secret(numel)
         dist.broadcast(full, src=0)  # rank 0's draw on every rank: the expected answer, of which fn sees one chunk
         sizes = chunk_sizes(numel, n)
         chunk = torch.tensor_split(full, n)[rank].clone()
-        with record_calls(forbidden=COLLECTIVES, advice=_POINT_TO_POINT_ONLY), refusing(*_COURSE_RING, why=_WRITE_IT):
-            got = fn(chunk, sizes)
+        what = f"all_gather of {numel} elements on {n} ranks"
+        got = _ring_only(fn, (chunk, sizes), what, sizes, full.element_size())
         expect_equal(
-            f"all_gather of {numel} elements on {n} ranks (chunk sizes {sizes})",
+            f"{what} (chunk sizes {sizes})",
             got.reshape(-1) if isinstance(got, torch.Tensor) else got,
             full,
         )

@@ -3,9 +3,8 @@
 # Each function imports what it uses inside its body: `check` sends a function's source alone to the ranks.
 
 # Exercise 1 (predict): all_reduce works in place. The first call leaves t = S on every rank, the sum of 100 + r
-# over the ranks, S = 100 N + N (N - 1) / 2; the second sums N copies of S: N * S (402 on 2 ranks).
-_n = NPROC  # noqa: F821 (NPROC is the notebook's parameter)
-predicted_sum = _n * (100 * _n + _n * (_n - 1) // 2)
+# over the ranks; the second sums N copies of S: N * S.
+predicted_sum = NPROC * sum(100 + r for r in range(NPROC))  # noqa: F821 (NPROC is the notebook's parameter)
 
 
 # Exercise 2 (implement): one all_reduce; it works in place, so reduce a copy and leave the argument alone.

@@ -7,49 +7,45 @@
 predicted_ring_bytes = 2 * (max(2, NPROC) - 1) / max(2, NPROC) * 4 * 2**20  # noqa: F821 (the notebook's NPROC)
 
 
-# Exercise 2 (implement): send chunk c of this rank's tensor to rank c, receive chunk `rank` from every
-# other rank, add. Simpler than the ring, more messages (N-1 per rank at once); the same bytes per rank.
+# Exercise 2 (implement): the ring. At step k rank r sends chunk r-1-k to its right neighbour and adds the chunk
+# r-2-k that its left neighbour sends; each chunk grows by one rank per step, and after N-1 steps the chunk that
+# arrives last, chunk r, holds every rank's share. Sizes follow tensor_split, known on every rank: an empty chunk is
+# skipped by both its sender and its receiver.
 def my_reduce_scatter(tensor):
     import torch
     import torch.distributed as dist
 
     rank, n = dist.get_rank(), dist.get_world_size()
-    chunks = torch.tensor_split(tensor, n)
-    mine = chunks[rank].clone()
-    incoming = {peer: torch.empty_like(mine) for peer in range(n) if peer != rank}
-    ops = []
-    for peer, buffer in incoming.items():
-        if chunks[peer].numel():  # both sides know every size: an empty chunk is skipped by both
-            ops.append(dist.P2POp(dist.isend, chunks[peer].contiguous(), peer))
-        if mine.numel():
-            ops.append(dist.P2POp(dist.irecv, buffer, peer))
-    for work in dist.batch_isend_irecv(ops) if ops else []:
-        work.wait()
-    for buffer in incoming.values():
-        mine += buffer
-    return mine
+    right, left = (rank + 1) % n, (rank - 1) % n
+    chunks = [chunk.clone() for chunk in torch.tensor_split(tensor, n)]
+    for step in range(n - 1):
+        send, receive = (rank - 1 - step) % n, (rank - 2 - step) % n
+        incoming = torch.empty_like(chunks[receive])
+        ops = [dist.P2POp(dist.isend, chunks[send], right)] if chunks[send].numel() else []
+        ops += [dist.P2POp(dist.irecv, incoming, left)] if incoming.numel() else []
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+        chunks[receive] += incoming
+    return chunks[rank]
 
 
-# Exercise 3 (implement): send this rank's chunk to every other rank, receive each rank's chunk into its place.
+# Exercise 3 (implement): the ring again, with finished chunks. At step k rank r passes on chunk r-k (its own at
+# step 0, then the one it just received) and receives chunk r-1-k into its place; N-1 steps bring every chunk.
 def my_all_gather(chunk, sizes):
     import torch
     import torch.distributed as dist
 
-    rank = dist.get_rank()
-    out = torch.empty(sum(sizes), dtype=chunk.dtype, device=chunk.device)
-    parts = torch.split(out, sizes)
-    parts[rank].copy_(chunk)
-    ops = []
-    for peer, part in enumerate(parts):
-        if peer == rank:
-            continue
-        if chunk.numel():
-            ops.append(dist.P2POp(dist.isend, chunk.contiguous(), peer))
-        if part.numel():
-            ops.append(dist.P2POp(dist.irecv, part, peer))
-    for work in dist.batch_isend_irecv(ops) if ops else []:
-        work.wait()
-    return out
+    rank, n = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % n, (rank - 1) % n
+    parts = [torch.empty(size, dtype=chunk.dtype, device=chunk.device) for size in sizes]
+    parts[rank] = chunk
+    for step in range(n - 1):
+        send, receive = (rank - step) % n, (rank - 1 - step) % n
+        ops = [dist.P2POp(dist.isend, parts[send], right)] if sizes[send] else []
+        ops += [dist.P2POp(dist.irecv, parts[receive], left)] if sizes[receive] else []
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+    return torch.cat(parts)
 
 
 # Exercise 4 (diagnose): every rank waited in recv for a message nobody had reached the line to send.
