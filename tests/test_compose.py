@@ -12,6 +12,7 @@ import torch
 
 from course_lib import compose
 from course_lib.compare import max_difference
+from course_lib.compose import planner, runs
 from course_lib.exercises import check_prediction
 from course_lib.launch import runtime
 from tests.rank_programs import assert_checker
@@ -39,6 +40,55 @@ def test_rank_grid_refuses_a_shape_that_is_not_the_world():
         compose.rank_grid(6, 2, 2, 2)
 
 
+def test_model_shapes_reproduce_published_sizes_and_flops():
+    """Megatron's Table 1 sizes (174.6B, 1008B), Llama 3.1 8B's 8.03B, torchtitan's FLOPs per token (5.79e10 at
+    s = 8192) and Megatron's formula for a GPT: 72·L·h² + 12·L·h·s + 6·V·h per token."""
+    assert planner.parameters(planner.GPT3_175B) == pytest.approx(174.6e9, rel=1e-3)
+    assert planner.parameters(planner.MEGATRON_1T) == pytest.approx(1008.0e9, rel=1e-3)
+    assert planner.parameters(planner.LLAMA31_8B) == pytest.approx(8.03e9, rel=1e-3)
+    assert planner.parameters(planner.LLAMA3_70B) == pytest.approx(70.55e9, rel=1e-3)
+    assert planner.flops_per_token(planner.LLAMA31_8B) == pytest.approx(5.79e10, rel=1e-3)
+    g = planner.GPT3_175B
+    megatron = 72 * g.layers * g.hidden**2 + 12 * g.layers * g.hidden * g.seq + 6 * g.vocab * g.hidden
+    assert planner.flops_per_token(g) == pytest.approx(megatron, rel=1e-4)  # the norms' weights only
+    # torchtitan's MFU from its tokens/s: 5,762 x 5.79e10 / 989e12
+    titan = next(r for r in runs.PUBLISHED if "torchtitan" in r.name)
+    assert titan.published_mfu == pytest.approx(0.337, abs=5e-4)
+
+
+def test_activations_generalize_korthikanti_to_gqa_and_swiglu():
+    """A GPT layer gives Korthikanti's 34·s·b·h (10 + 24/t); Llama's layer: fewer K/V heads save, SwiGLU's three
+    hidden tensors of d_ff cost 6·d_ff/h, and no dropout masks."""
+    gpt = planner.GPT3_175B
+    sbh = gpt.seq * gpt.hidden
+    assert planner.activation_bytes_per_layer(gpt, 1, sequence_parallel=False) == pytest.approx(34 * sbh)
+    assert planner.activation_bytes_per_layer(gpt, 8, sequence_parallel=False) == pytest.approx((10 + 24 / 8) * sbh)
+    llama = planner.LLAMA3_70B
+    sbh = llama.seq * llama.hidden
+    split = 4 + 4 * 8 / 64 + 6 * 28672 / 8192
+    assert planner.activation_bytes_per_layer(llama, 8, sequence_parallel=False) == pytest.approx((8 + split / 8) * sbh)
+
+
+def test_full_recomputation_reruns_the_forward_flops_and_its_tp_all_reduces():
+    m = planner.GPT3_175B
+    plain = compose.plan(m, 8, 8, 16, planner.A100_NODES, global_batch=1536)
+    rerun = compose.plan(m, 8, 8, 16, planner.A100_NODES, global_batch=1536, recompute="full")
+    assert rerun["compute_s"] == pytest.approx(plain["compute_s"] * 4 / 3)
+    assert rerun["tp_comm_GB"] == pytest.approx(plain["tp_comm_GB"] * 1.5)  # the forward's 2 of 4 all-reduces again
+    assert rerun["dp_comm_GB"] == pytest.approx(plain["dp_comm_GB"])
+
+
+def test_step_model_is_an_upper_bound_on_the_published_runs():
+    """The model spends time on matmuls, the bubble and communication only: it predicts at least the published MFU,
+    and the table names each run's parts."""
+    for run in runs.PUBLISHED:
+        p = runs.predicted_step(run)
+        parts = ("compute_s", "bubble_s", "tp_s", "pp_s", "dp_exposed_s")
+        assert p["step_s"] == pytest.approx(sum(p[k] for k in parts))
+        assert run.published_mfu < p["mfu"] <= run.cluster.matmul_efficiency, run.name
+    assert runs.published_table().count("\n") == len(runs.PUBLISHED)
+
+
 def test_planner_reproduces_zero3_states_and_the_layout_trade_offs():
     llama = compose.LLAMA_70B
     for dp, tp, pp in ((16, 4, 1), (8, 4, 2), (64, 1, 1)):
@@ -46,18 +96,18 @@ def test_planner_reproduces_zero3_states_and_the_layout_trade_offs():
         assert r["params_GB"] + r["grads_GB"] + r["optimizer_GB"] == pytest.approx(70e9 * 16 / 64 / 1e9)
     flat, piped = compose.plan(llama, 16, 4, 1), compose.plan(llama, 8, 4, 2)
     assert flat["microbatches"] == 64 and piped["microbatches"] == 128 and piped["bubble"] > flat["bubble"] == 0
-    # ZeRO-3 gathers twice and reduce-scatters once per micro-batch: 64 x the old once-per-step count
-    once = 3 * 15 / 16 * 70e9 / 4 * 2 / 1e9
+    # ZeRO-3 gathers twice (bf16, 2 B) and reduce-scatters once (fp32 gradients, 4 B) per micro-batch
+    once = (2 * 2 + 4) * 15 / 16 * 70e9 / 4 / 1e9
     assert flat["dp_comm_GB"] == pytest.approx(64 * once)
     # pp > 1: pipelining keeps the stage gathered after a micro-batch's backward and syncs once (stage.py)
-    assert piped["dp_comm_GB"] == pytest.approx((128 + 1 + 1) * 7 / 8 * 70e9 / 8 * 2 / 1e9)
+    assert piped["dp_comm_GB"] == pytest.approx(((128 + 1) * 2 + 4) * 7 / 8 * 70e9 / 8 / 1e9)
     titan = compose.plan(llama, 8, 4, 2, reshard_after_forward=False)  # one gather, one reduce-scatter a step
-    assert titan["dp_comm_GB"] == pytest.approx(2 * 7 / 8 * 70e9 / 8 * 2 / 1e9)
+    assert titan["dp_comm_GB"] == pytest.approx((2 + 4) * 7 / 8 * 70e9 / 8 / 1e9)
     assert titan["memory_GB"] == pytest.approx(piped["memory_GB"])  # gathered from the first backward anyway
     kept = compose.plan(
         llama, 16, 4, 1, reshard_after_forward=False, reshard_after_backward=False, defer_grad_sync=True
     )
-    assert kept["dp_comm_GB"] == pytest.approx(2 * 15 / 16 * 70e9 / 4 * 2 / 1e9) and kept["memory_GB"] > 80
+    assert kept["dp_comm_GB"] == pytest.approx((2 + 4) * 15 / 16 * 70e9 / 4 / 1e9) and kept["memory_GB"] > 80
     assert compose.step_time(flat) > flat["compute_s"] + flat["tp_s"]  # the DP traffic outlasts the compute
     sbh = 4096 * 8192
     # Korthikanti et al. as torch runs it: torch's SP keeps the gathered inputs of q, k, v and up (4 sbh); SDPA

@@ -15,9 +15,13 @@ from course_lib.memory import GB, zero_bytes_per_gpu
 
 @dataclass
 class ModelShape:
-    """A transformer's size, and the sequences it trains on: `micro_batch` sequences of `seq` tokens."""
+    """A transformer's shape, and the sequences it trains on: `micro_batch` sequences of `seq` tokens.
 
-    n_params: float
+    `n_params` None: counted from the shape (:func:`parameters`). Defaults are a GPT layer (multi-head attention,
+    a GELU MLP of 4 x hidden, dropout, no vocabulary); Llama sets kv_heads, d_ff, glu (SwiGLU: three matrices),
+    vocab, untied head and no dropout."""
+
+    n_params: float | None
     layers: int
     hidden: int
     heads: int
@@ -26,9 +30,50 @@ class ModelShape:
     # activation all-reduces per layer and micro-batch: 2 forward, 2 backward with fused qkv (Megatron);
     # the course's block has separate q, k, v: their input gradients are all-reduced one by one (6)
     tp_all_reduces: int = 4
+    kv_heads: int | None = None
+    d_ff: int | None = None
+    glu: bool = False
+    vocab: int = 0
+    tied: bool = True
+    dropout: bool = True
+
+    @property
+    def kv_ratio(self) -> float:
+        return (self.kv_heads or self.heads) / self.heads
+
+    @property
+    def ffn(self) -> int:
+        return self.d_ff or 4 * self.hidden
+
+
+def parameters(m: ModelShape) -> float:
+    """Weights: per layer q and o (h x h each), k and v (h x h_kv·d each), the MLP (2 or, gated, 3 matrices of
+    h x d_ff) and two norms; then the embedding table, the head unless tied, and the final norm."""
+    if m.n_params is not None:
+        return m.n_params
+    h = m.hidden
+    layer = 2 * h * h * (1 + m.kv_ratio) + (3 if m.glu else 2) * h * m.ffn + 2 * h
+    return m.layers * layer + m.vocab * h * (1 if m.tied else 2) + h
+
+
+def flops_per_token(m: ModelShape) -> float:
+    """Training FLOPs per token, forward and backward (torchtitan's count, the one MFU is reported against):
+    6 per matmul weight (every weight but an untied embedding table, which is a lookup) and 12·L·h·s for the
+    attention scores and their weighted sum. Megatron's formula (Narayanan et al. 2021, eq. 3) is the same count
+    for a GPT with a tied head: 72·L·h² + 12·L·h·s + 6·V·h per token (times 4/3 with full recomputation)."""
+    lookup = 0 if m.tied else m.vocab * m.hidden
+    return 6 * (parameters(m) - lookup) + 12 * m.layers * m.hidden * m.seq
 
 
 LLAMA_70B = ModelShape(n_params=70e9, layers=80, hidden=8192, heads=64)
+LLAMA3_70B = ModelShape(
+    None, 80, 8192, 64, 8192, kv_heads=8, d_ff=28672, glu=True, vocab=128256, tied=False, dropout=False
+)
+LLAMA31_8B = ModelShape(
+    None, 32, 4096, 32, 8192, kv_heads=8, d_ff=14336, glu=True, vocab=128256, tied=False, dropout=False
+)
+GPT3_175B = ModelShape(None, 96, 12288, 96, 2048, vocab=51200)
+MEGATRON_1T = ModelShape(None, 128, 25600, 160, 2048, vocab=51200)
 
 
 @dataclass(frozen=True)
@@ -39,21 +84,30 @@ class Cluster:
     intra_node_GBps: float = 450.0
     inter_node_GBps: float = 50.0
     peak_TFLOPs: float = 989.0  # dense 16-bit matmuls (H100 SXM)
+    # the step-time model's assumptions: start-up time of one collective step, and the fraction of the peak that
+    # the layers' matmuls reach (large GEMMs; attention kernels and element-wise work reach less)
+    intra_latency_s: float = 5e-6
+    inter_latency_s: float = 10e-6
+    matmul_efficiency: float = 0.7
 
 
 H100_NODES = Cluster()  # 8 H100 per node: NVLink 4 inside, one 400 Gb/s InfiniBand link per GPU between nodes
+# 8 A100 80GB per node (Selene): NVLink 3 (300 GB/s each way), 8 x 200 Gb/s HDR InfiniBand per node
+A100_NODES = Cluster(intra_node_GBps=300.0, inter_node_GBps=25.0, peak_TFLOPs=312.0, matmul_efficiency=0.8)
 
 
 def activation_bytes_per_layer(
     m: ModelShape, tp: int, sequence_parallel: bool = True, recompute: str = "none", attention: str = "sdpa"
 ) -> float:
-    """Activations one layer keeps for backward, per micro-batch, 16-bit (Korthikanti et al. 2022, as torch runs it):
+    """Activations one layer keeps for backward, per micro-batch, 16-bit (Korthikanti et al. 2022, as torch runs it),
+    in units of s·b·h (r = h_kv/h, f = d_ff/h; a GPT layer: r = 1, f = 4, dropout):
 
-    s*b*h * (10 + 24/t)       plain tensor parallel
-    s*b*h * (4 + 30/t)        + sequence parallel with torch's plan: the LayerNorms run on s/t tokens, but the
-                              all-gathered LayerNorm outputs that q, k, v and the MLP's first Linear save stay
-                              whole (2*s*b*h each; notebook 05 measures the course block's version); Megatron
-                              all-gathers them again in backward instead and keeps 34/t
+    whole on every tp rank: the two norms' inputs (4), the inputs of q/k/v and of the MLP (2 + 2), the two dropout
+    masks (2); split over tp: q, k, v, the attention output (2 + 4r + 2), the MLP's hidden (4f, or 6f gated):
+    s*b*h * (10 + 24/t) for a GPT layer
+    + sequence parallel with torch's plan: the norms and masks run on s/t tokens, but the all-gathered
+    norm outputs that q, k, v and the MLP's first Linear save stay whole: s*b*h * (4 + 30/t); Megatron
+    all-gathers them again in backward instead and keeps 34/t
     + 5*a*s/(h*t)             attention="eager": the s x s scores kept (probabilities, dropout mask and output).
                               SDPA's fused kernels keep none, only a log-sum-exp per query; selective
                               recomputation (recompute="selective") drops them too
@@ -63,7 +117,10 @@ def activation_bytes_per_layer(
     if recompute == "full":
         return 2 * s * b * h / (tp if sequence_parallel else 1)
     scores = 5 * a * s / (h * tp) if attention == "eager" and recompute != "selective" else 0.0
-    linear = 4 + 30 / tp if sequence_parallel else 10 + 24 / tp
+    masks = 2 if m.dropout else 0
+    split = 4 + 4 * m.kv_ratio + (6 if m.glu else 4) * m.ffn / h
+    whole = 4 + 4 + masks
+    linear = 4 + (whole - 4 + split) / tp if sequence_parallel else whole + split / tp
     return s * b * h * (linear + scores)
 
 
@@ -169,6 +226,7 @@ def plan(
     reshard_after_backward: bool | None = None,
     defer_grad_sync: bool | None = None,
     bytes_per_value: int = 2,
+    reduce_bytes_per_value: int = 4,
     mfu: float = 0.4,
 ) -> dict[str, float]:
     """Memory per GPU (GB), bytes each GPU sends per step (GB) and their time at the cluster's link speeds.
@@ -176,12 +234,15 @@ def plan(
     A step is global_batch / (dp x micro_batch) micro-batches per dp rank, each a forward and a backward.
     States (16 bytes/param) are split over tp x pp and sharded over dp by ZeRO `zero_stage`; activations:
     one micro-batch per layer (1F1B keeps pp micro-batches of L/pp layers on the first stage).
-    Per micro-batch: TP all-reduces activations `m.tp_all_reduces` times per layer; PP sends one activation
+    Per micro-batch: TP all-reduces activations `m.tp_all_reduces` times per layer (and the forward's half again
+    when recompute="full" reruns the forward); PP sends one activation
     forward and one gradient back per stage boundary. FSDP's traffic is in :func:`fsdp_collectives`:
     ZeRO-3 all-gathers parameters in every micro-batch's forward and backward and reduce-scatters
-    gradients per micro-batch, unless told otherwise. With pp > 1, `reshard_after_backward` and
-    `defer_grad_sync` default to what torch.distributed.pipelining sets on an FSDP stage (stage.py: parameters
-    kept gathered after a micro-batch's backward, one gradient sync after the last): False and True.
+    gradients per micro-batch, unless told otherwise; parameters travel in `bytes_per_value`, gradients in
+    `reduce_bytes_per_value` (fp32 by default: FSDP2's reduce_dtype in torchtitan).
+    With pp > 1, `reshard_after_backward` and `defer_grad_sync` default to what torch.distributed.pipelining sets
+    on an FSDP stage (stage.py: parameters kept gathered after a micro-batch's backward, one gradient sync after
+    the last): False and True.
     """
     if tp > cluster.gpus_per_node:
         raise ValueError(f"tp={tp} spans nodes: keep tensor parallelism inside a node (tp <= {cluster.gpus_per_node})")
@@ -200,7 +261,7 @@ def plan(
         reshard_after_backward=reshard_after_backward,
         defer_grad_sync=defer_grad_sync,
     )
-    params_per_gpu = m.n_params / (tp * pp)
+    params_per_gpu = parameters(m) / (tp * pp)
     state = zero_bytes_per_gpu(params_per_gpu, dp, zero_stage)
     kept = 0.0  # what the choices keep whole between micro-batches: gathered params, unsharded gradients
     if zero_stage == 3 and not (reshard_after_forward and reshard_after_backward):
@@ -209,16 +270,20 @@ def plan(
         kept += params_per_gpu * 4 * (dp - 1) / dp  # fp32 gradients accumulate unsharded
     activations = m.layers * activation_bytes_per_layer(m, tp, sequence_parallel, recompute, attention)
     act_msg = m.seq * m.micro_batch * m.hidden * bytes_per_value  # one activation tensor of a micro-batch
-    tp_bytes = calls.get("tp all_reduce", 0) * sent_per_rank("all_reduce", act_msg, tp)
-    unit_bytes = params_per_gpu / (m.layers / pp) * bytes_per_value
-    per_call = sent_per_rank("all_gather", unit_bytes, dp)  # a unit's ring gather, or reduce-scatter
-    dp_calls = calls.get("dp all_gather", 0) + calls.get("dp reduce_scatter", 0) + 2 * calls.get("dp all_reduce", 0)
-    dp_bytes = dp_calls * per_call
+    tp_calls = calls.get("tp all_reduce", 0) * (1.5 if recompute == "full" else 1)  # the rerun forward's again
+    tp_bytes = tp_calls * sent_per_rank("all_reduce", act_msg, tp)
+    unit = params_per_gpu / (m.layers / pp)  # values of one FSDP unit (a layer) on this GPU
+    gather = sent_per_rank("all_gather", unit * bytes_per_value, dp)
+    reduce = sent_per_rank("reduce_scatter", unit * reduce_bytes_per_value, dp)
+    dp_bytes = (
+        calls.get("dp all_gather", 0) * gather
+        + (calls.get("dp reduce_scatter", 0) + 2 * calls.get("dp all_reduce", 0)) * reduce
+    )
     pp_bytes = 2 * (pp - 1) / pp * act_msg * n_mb  # mean per GPU: the end stages send one way, the others both
     intra, inter = cluster.intra_node_GBps, cluster.inter_node_GBps
     dp_link = intra if tp * dp <= cluster.gpus_per_node else inter
     pp_link = intra if tp * dp * pp <= cluster.gpus_per_node else inter
-    flops = (8 if recompute == "full" else 6) * m.n_params * global_batch * m.seq
+    flops = flops_per_token(m) * (4 / 3 if recompute == "full" else 1) * global_batch * m.seq
     return {
         "dp": dp,
         "tp": tp,
@@ -243,12 +308,13 @@ def plan(
 
 
 def plan_options(m: ModelShape, n_gpus: int, cluster: Cluster = H100_NODES, **choices: Any) -> list[dict[str, float]]:
-    """Every (dp, tp, pp) with tp inside a node that the model's layers allow, sorted by memory.
+    """Every (dp, tp, pp) of powers of two, tp inside a node, that the model's layers and heads allow, by memory.
 
     `choices` (global_batch=, zero_stage=, ...) go to :func:`plan` for every row."""
     rows = []
-    for tp in (1, 2, 4, 8):
-        for pp in (1, 2, 4, 8):
+    powers = [2**k for k in range(n_gpus.bit_length())]
+    for tp in powers:
+        for pp in powers:
             if tp > cluster.gpus_per_node or n_gpus % (tp * pp) or m.layers % pp or m.heads % tp:
                 continue
             rows.append(plan(m, n_gpus // (tp * pp), tp, pp, cluster, **choices))
