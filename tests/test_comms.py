@@ -105,3 +105,16 @@ def test_cost_models_and_readers():
     }
     assert comms.RING["all_reduce"](4) == 1.5 and comms.RING["broadcast"](4) == 1.0
     assert comms.RING["reduce"](4) == comms.RING["reduce_scatter"](4) == 0.75
+
+
+def test_bus_factors_are_nccl_tests_and_bytes_sent_are_the_ring_costs():
+    """nccl-tests' bus factors (doc/PERFORMANCE.md) where they differ from the bytes one rank sends: a reduce's busbw
+    is its algbw, an all-to-all's (N-1)/N of it; a rank of a reduce sends (N-1)/N on average, of an all-to-all its
+    payload."""
+    from course_lib.collectives import bus_factor, bytes_sent_per_rank
+
+    n = 8
+    factors = {c: bus_factor(c, n) for c in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")}
+    assert factors == {"all_reduce": 1.75, "all_gather": 0.875, "reduce_scatter": 0.875, "broadcast": 1, "reduce": 1}
+    assert bus_factor("all_to_all", n) == 0.875 and bytes_sent_per_rank("all_to_all", 64.0, n) == 64.0
+    assert bytes_sent_per_rank("reduce", 64.0, n) == 56.0 and bytes_sent_per_rank("ring_all_reduce", 64.0, n) == 112.0

@@ -16,16 +16,26 @@ def bytes_sent_per_rank(collective: str, nbytes: float, world_size: int) -> floa
     """
     if collective == "naive_all_reduce":
         return float(world_size - 1) * nbytes
-    return bus_factor(collective, world_size) * nbytes
+    return comms.sent_per_rank(collective.removeprefix("ring_"), nbytes, world_size)
+
+
+# nccl-tests' bus factors (its doc/PERFORMANCE.md): what makes a collective's bus bandwidth comparable to a link's
+# peak. They differ from bytes sent per rank (comms.RING) where the payload is counted another way: a reduce's busbw
+# is its algbw (the root receives the whole tensor), an all-to-all's is (N-1)/N of it (a rank keeps its own block).
+BUS_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+    "send": lambda n: 1.0,
+}
 
 
 def bus_factor(collective: str, world_size: int) -> float:
-    """nccl-tests' bus bandwidth = algorithm bandwidth × this factor (size = the full tensor).
-
-    The factor makes the bus bandwidth comparable to the link's peak whatever the collective
-    and N: all_reduce 2(N-1)/N, all_gather and reduce_scatter (N-1)/N, broadcast 1.
-    """
-    return comms.RING[collective.removeprefix("ring_").removeprefix("naive_")](world_size)
+    """nccl-tests' bus bandwidth = algorithm bandwidth x this factor (size = the full tensor)."""
+    return BUS_FACTOR[collective.removeprefix("ring_").removeprefix("naive_")](world_size)
 
 
 def alpha_beta_time(collective: str, nbytes: float, world_size: int, alpha: float, beta: float) -> float:
