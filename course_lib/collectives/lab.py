@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from course_lib.collectives.cost import bus_factor
+from course_lib.collectives.cost import alpha_beta_time, bus_factor, bytes_sent_per_rank
 from course_lib.collectives.ring import naive_all_reduce, ring_all_reduce, ring_step
 from course_lib.launch.runtime import rank_device, synchronize
 
@@ -240,6 +240,104 @@ def draw_before_after(held: Sequence[tuple[Any, Any]], title: str) -> Figure:
     draw_holdings(ax_after, [after for _, after in held], "after", top, columns)
     fig.tight_layout()
     return fig
+
+
+def draw_bytes_per_rank(max_world_size: int = 64) -> None:
+    """Section 1's table as curves: bytes each rank sends per byte of the tensor, against N (the formulas)."""
+    import matplotlib.pyplot as plt
+
+    ns = range(2, max_world_size + 1)
+    fig, ax = plt.subplots(figsize=(6, 2.6))
+    for name, label in [
+        ("naive_all_reduce", "naive all-reduce, rank 0: N-1"),
+        ("all_reduce", "ring all-reduce: 2(N-1)/N"),
+        ("reduce_scatter", "reduce-scatter, all-gather: (N-1)/N"),
+    ]:
+        ax.plot(ns, [bytes_sent_per_rank(name, 1.0, n) for n in ns], label=label)
+    ax.set_yscale("log")
+    ax.set_xlabel("ranks N")
+    ax.set_ylabel("bytes sent per rank / S")
+    ax.legend(fontsize=8)
+    ax.set_title("the ring's bytes per rank stay below 2S; the naive root's grow with N", fontsize=9)
+    plt.show()
+
+
+def draw_deadlock(world_size: int) -> None:
+    """Ranks on a circle, each inside a blocking recv from its left neighbour: every arrow (who waits for whom)
+    points to a rank that is waiting too, a cycle that nothing breaks."""
+    import math
+
+    import matplotlib.pyplot as plt
+
+    n = world_size
+    at = [(math.sin(2 * math.pi * r / n), math.cos(2 * math.pi * r / n)) for r in range(n)]
+    fig, ax = plt.subplots(figsize=(3.2, 3.2))
+    for r, (x, y) in enumerate(at):
+        ax.text(
+            x,
+            y,
+            f"rank {r}\nin recv",
+            ha="center",
+            va="center",
+            fontsize=8,
+            bbox=dict(boxstyle="round", facecolor="mistyrose"),
+            zorder=2,
+        )
+        lx, ly = at[(r - 1) % n]
+        ax.annotate(
+            "",
+            (0.8 * lx + 0.2 * x, 0.8 * ly + 0.2 * y),
+            (0.8 * x + 0.2 * lx, 0.8 * y + 0.2 * ly),
+            arrowprops=dict(arrowstyle="->", color="crimson", connectionstyle="arc3,rad=0.2"),
+        )
+    ax.set_xlim(-1.5, 1.5)
+    ax.set_ylim(-1.5, 1.5)
+    ax.axis("off")
+    ax.set_title("every rank waits for its left neighbour", fontsize=9)
+    plt.show()
+
+
+def draw_all_holdings(held: Sequence[dict[str, tuple[Any, Any]]]) -> None:
+    """Every collective section 3 ran, before and after, from what each rank kept: held[r][name] = (before, after)."""
+    import matplotlib.pyplot as plt
+
+    n, names = len(held), list(held[0])
+    values = [v for kept in held for pair in kept.values() for v in pair if v is not None]
+    top = float(max(v.max() for v in values))
+    fig, axes = plt.subplots((len(names) + 1) // 2, 4, figsize=(10, 1.1 + 0.42 * n * (len(names) + 1) // 2))
+    for i, name in enumerate(names):
+        draw_holdings(axes.flat[2 * i], [held[r][name][0] for r in range(n)], f"{name}: before", top, n)
+        draw_holdings(axes.flat[2 * i + 1], [held[r][name][1] for r in range(n)], "after", top, n)
+    fig.tight_layout()
+    plt.show()
+
+
+def draw_bandwidth(rows: Sequence[dict], alpha: float, beta: float, world_size: int) -> None:
+    """Section 6's measurement: bus bandwidth and time against size per collective, and the alpha-beta model of
+    all_reduce fitted to them (dashed)."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    sizes = sorted({row["bytes"] for row in rows})
+    fine = np.geomspace(sizes[0], sizes[-1], 100)
+    model = np.array([alpha_beta_time("all_reduce", s, world_size, alpha, beta) for s in fine])
+    fig, (ax_bw, ax_t) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for name in dict.fromkeys(row["name"] for row in rows):
+        series = [row for row in rows if row["name"] == name]
+        ax_bw.plot([r["bytes"] for r in series], [r["busbw"] / 1e6 for r in series], marker="o", label=name)
+        ax_t.plot([r["bytes"] for r in series], [r["seconds"] * 1e3 for r in series], marker="o", label=name)
+    ax_bw.plot(fine, fine * bus_factor("all_reduce", world_size) / model / 1e6, "k--", label="alpha-beta model")
+    ax_t.plot(fine, model * 1e3, "k--", label="alpha-beta model (all_reduce)")
+    for ax, label in ((ax_bw, "bus bandwidth (MB/s)"), (ax_t, "time (ms, slowest rank, median)")):
+        ax.set_xscale("log")
+        ax.set_xlabel("message size S (bytes)")
+        ax.set_ylabel(label)
+    ax_t.set_yscale("log")
+    ax_bw.set_title(f"bus bandwidth, {world_size} ranks")
+    ax_t.set_title("time")
+    ax_bw.legend(fontsize=7)
+    fig.tight_layout()
+    plt.show()
 
 
 # Notebook 01: time torch's collectives and the from-scratch ring on every rank; the rows as a table.
