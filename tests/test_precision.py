@@ -19,9 +19,15 @@ from course_lib.models import MLP
 from tests.rank_programs import precision as rank_programs
 from tests.rank_programs import run, world_sizes
 
-SOLUTIONS = runpy.run_path(
-    str(Path(__file__).resolve().parents[1] / "notebooks" / "solutions" / "04_mixed_precision.py")
-)
+SOLUTIONS_PATH = Path(__file__).resolve().parents[1] / "notebooks" / "solutions" / "04_mixed_precision.py"
+
+
+def solutions(fsdp_nproc: int = 2) -> dict:
+    """The solution blocks run with what the notebook defines above them (exercise 3 reads MLP and FSDP_NPROC)."""
+    return runpy.run_path(str(SOLUTIONS_PATH), init_globals={"MLP": MLP, "FSDP_NPROC": fsdp_nproc})
+
+
+SOLUTIONS = solutions()
 
 # ------------------------------------------------------------------------------------------------
 # one process
@@ -216,19 +222,21 @@ def test_clipping_exercise_checker_on_ranks():
             assert re.fullmatch(r"after 4 steps, \S+ \(this rank's shard\) element .* expected .*", got[wrong]), got
         assert got["no_update"] == "your train_step raised RuntimeError: unscale_() is being called after step().", got
         assert got["fixed_scale"].startswith("after 4 steps the loss scale is 65536, expected"), got
+        # the shortcut: the course's own loop, which the checker runs as its reference
+        assert got["calls_the_course_loop"].startswith("this calls the course's amp_training_loop"), got
     assert any(got["clips_local_shards"] != "passed" for got in verdicts), verdicts
 
 
 @pytest.mark.parametrize("nproc", [2, 3, 4])
 def test_prediction_of_the_policys_shard_bytes(nproc):
-    """Exercise 1: 4P/N passes at every FSDP_NPROC against bytes FSDP2 really holds (one process, a fake group of
+    """Exercise 3: 4P/N passes at every FSDP_NPROC against bytes FSDP2 really holds (one process, a fake group of
     nproc ranks, rank 0); the bf16 guess 2P/N, forgetting /N, and N-1 fail."""
     from course_lib.exercises import check_prediction
 
     parameters = sum(p.numel() for p in MLP(d_hidden=512).parameters())
     measured = _policy_shard_bytes_on_rank0(nproc)
-    predict = SOLUTIONS["predicted_shard_bytes"]
-    assert check_prediction("shards", predict(parameters, nproc), measured, rtol=0.05) is True
+    predicted = solutions(nproc)["predicted_shard_bytes"]
+    assert check_prediction("shards", predicted, measured, rtol=0.05) is True
     for wrong in (2 * parameters / nproc, 4 * parameters, 4 * parameters / (nproc - 1)):
         assert check_prediction("shards", wrong, measured, rtol=0.05) is False, wrong
 

@@ -20,13 +20,14 @@ from course_lib.precision.float8 import (
     float8_width,
     formats_table,
     from_float8,
+    fsdp_model,
     matmul_and_linear_seconds,
     to_float8,
     train_fsdp,
     why_high_precision,
 )
 from course_lib.precision.inspection import inspect_fsdp2_mixed_precision, record_op_dtypes
-from course_lib.precision.lab import draw_storage, finfo_table, matmul_tflops
+from course_lib.precision.lab import draw_float8_layouts, draw_storage, finfo_table, matmul_tflops, special_patterns
 from course_lib.precision.loss_scaler import DynamicLossScaler, found_inf_across_ranks
 from course_lib.precision.number_formats import (
     DTYPE_NAMES,

@@ -167,6 +167,26 @@ def float8_recipe(device: torch.device) -> Any:
 FSDP_KINDS = ("fp32", "bf16", "float8")
 
 
+def fsdp_model(kind: str, width: int, device: torch.device) -> tuple[nn.Module, dict[str, nn.Module]]:
+    """MLP(d_hidden=width, n_layers=2), each Linear an FSDP2 unit, as `kind` trains it; and its Float8Linears."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from course_lib.models import MLP, shard_layers_then_root
+
+    model = MLP(d_hidden=width, n_layers=2).to(device)
+    float8_modules: dict[str, nn.Module] = {}
+    if kind == "float8":  # swap the Linears the filter accepts; the recipe casts each weight's shard before gathering
+        from torchao.float8 import convert_to_float8_training
+        from torchao.float8.float8_linear import Float8Linear
+
+        recipe = float8_recipe(device)  # real float8 matmuls on SM89+, emulated elsewhere
+        convert_to_float8_training(model, config=recipe, module_filter_fn=float8_filter(dist.get_world_size()))
+        float8_modules = {name: m for name, m in model.named_modules() if isinstance(m, Float8Linear)}
+    policy = MixedPrecisionPolicy() if kind == "fp32" else MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+    shard_layers_then_root(model, mp_policy=policy)
+    return model, float8_modules
+
+
 def train_fsdp(
     kind: str,
     batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
@@ -185,22 +205,9 @@ def train_fsdp(
     calls of the first step and of every precompute, the float8 weights' scales after each step, each checked
     against max(e4m3) / amax of the full weight, and whether each Float8Linear emulated its matmuls.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
     from course_lib import comms
-    from course_lib.models import MLP, shard_layers_then_root
 
-    model = MLP(d_hidden=width, n_layers=2).to(device)
-    float8_modules: dict[str, nn.Module] = {}
-    if kind == "float8":
-        from torchao.float8 import convert_to_float8_training
-        from torchao.float8.float8_linear import Float8Linear
-
-        recipe = float8_recipe(device)
-        convert_to_float8_training(model, config=recipe, module_filter_fn=float8_filter(dist.get_world_size()))
-        float8_modules = {name: m for name, m in model.named_modules() if isinstance(m, Float8Linear)}
-    policy = MixedPrecisionPolicy() if kind == "fp32" else MixedPrecisionPolicy(torch.bfloat16, torch.float32)
-    shard_layers_then_root(model, mp_policy=policy)
+    model, float8_modules = fsdp_model(kind, width, device)
     # FSDP2 made each weight a DTensor; torchao keeps the scale on the float8 weight's shard, its local tensor
     float8_shards: list[Any] = [cast(Any, m.weight)._local_tensor for m in float8_modules.values()]
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
@@ -50,9 +51,8 @@ def inspect_fsdp2_mixed_precision(
     from course_lib.models import MLP, shard_layers_then_root
 
     device = device or torch.device("cpu")
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     model = MLP().to(device)
-    shard_layers_then_root(model, mp_policy=policy)
+    shard_layers_then_root(model, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
     seen: dict[str, torch.dtype] = {}
 
     def before_forward(module, args):  # runs after FSDP2's own pre-forward hook has gathered the weight
@@ -68,13 +68,11 @@ def inspect_fsdp2_mixed_precision(
     with comms.Recorder() as rec:
         out = model(x)
         nn.functional.mse_loss(out.float(), y).backward()
-    gathered = [c for c in rec.calls if c.op == "all_gather"]
     reduced = [c for c in rec.calls if c.op == "reduce_scatter"]
-    first = model[0].weight
-    assert isinstance(first, torch.Tensor)
+    first = cast(torch.Tensor, model[0].weight)
     return {
         "sharded parameter": DTYPE_NAMES[first.dtype],
-        "all_gather input": sorted({DTYPE_NAMES[c.dtype] for c in gathered}),
+        "all_gather input": sorted({DTYPE_NAMES[c.dtype] for c in rec.calls if c.op == "all_gather"}),
         "gathered weight": DTYPE_NAMES[seen["gathered weight"]],
         "layer input": DTYPE_NAMES[seen["layer input"]],
         "layer output": DTYPE_NAMES[seen["layer output"]],

@@ -8,6 +8,7 @@ import torch
 
 from course_lib.precision.number_formats import (
     DTYPE_NAMES,
+    FLOAT8_DTYPES,
     FLOAT_DTYPES,
     LAYOUT,
     bit_fields,
@@ -67,7 +68,7 @@ def draw_storage(value: float, dtype_name: str, log2_loss_scale: int, *, grads: 
     (grey), subnormal (orange), overflow (red)."""
     import matplotlib.pyplot as plt
 
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
+    dtype = {DTYPE_NAMES[d]: d for d in FLOAT_DTYPES + FLOAT8_DTYPES}[dtype_name]
     sign, exponent, mantissa = bit_fields(value, dtype)
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 2.8), gridspec_kw={"width_ratios": [1.2, 1]})
     for i, (bit, colour) in enumerate(
@@ -94,5 +95,46 @@ def draw_storage(value: float, dtype_name: str, log2_loss_scale: int, *, grads: 
     zero, inf = (in_fp16 == 0).float().mean().item(), in_fp16.isinf().float().mean().item()
     right.set_title(f"loss scale 2^{log2_loss_scale}: {zero:.0%} underflow, {inf:.0%} overflow in fp16", fontsize=9)
     right.set_xlabel("log2 |gradient x scale|")
+    plt.tight_layout()
+    plt.show()
+
+
+def special_patterns(dtype: torch.dtype) -> dict[str, list[str]]:
+    """Every 8-bit pattern of a float8 `dtype` that is not a finite number, as 'S.EEEE.MMM', by what it decodes to."""
+    exponent_bits = LAYOUT[dtype][0]
+    values = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    found: dict[str, list[str]] = {"nan": [], "inf": []}
+    for pattern, value in enumerate(values.tolist()):
+        if not math.isfinite(value):
+            bits = format(pattern, "08b")
+            found["nan" if math.isnan(value) else "inf"].append(
+                f"{bits[0]}.{bits[1 : 1 + exponent_bits]}.{bits[1 + exponent_bits :]}"
+            )
+    return found
+
+
+def draw_float8_layouts() -> None:
+    """The 8 bits of e4m3fn and e5m2 (sign | exponent | mantissa) at their largest number, with the smallest normal
+    number and the patterns that are not numbers (nan, inf), counted over all 256 patterns."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 1, figsize=(10, 2.8))
+    for ax, dtype in zip(axes, FLOAT8_DTYPES):
+        info, special = torch.finfo(dtype), special_patterns(dtype)
+        sign, exponent, mantissa = bit_fields(info.max, dtype)
+        colours = ["C3"] * len(sign) + ["C0"] * len(exponent) + ["C2"] * len(mantissa)
+        for i, (bit, colour) in enumerate(zip(sign + exponent + mantissa, colours)):
+            ax.add_patch(plt.Rectangle((i, 0), 0.95, 1, color=colour, alpha=0.35))
+            ax.text(i + 0.47, 0.5, bit, ha="center", va="center")
+        notes = (
+            f"{DTYPE_NAMES[dtype]}: max {info.max:g} (shown), smallest normal 2^{math.log2(info.smallest_normal):.0f}\n"
+            f"nan: {', '.join(special['nan'][:3])}{' ...' if len(special['nan']) > 3 else ''} ({len(special['nan'])})"
+            f";  inf: {', '.join(special['inf']) or 'none: a cast saturates at max'}"
+        )
+        ax.text(8.5, 0.5, notes, va="center", fontsize=9)
+        ax.set_xlim(0, 26)
+        ax.set_ylim(0, 1)
+        ax.axis("off")
+    axes[0].set_title("float8 bit layouts: sign (red) | exponent (blue) | mantissa (green)", fontsize=9, loc="left")
     plt.tight_layout()
     plt.show()

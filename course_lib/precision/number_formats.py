@@ -53,7 +53,9 @@ def bit_fields(value: float, dtype: torch.dtype) -> tuple[str, str, str]:
     exponent_bits, mantissa_bits = LAYOUT[dtype]
     if dtype == torch.float32:
         bits = struct.unpack(">I", struct.pack(">f", stored_value(value, dtype)))[0]
-    else:  # fp16 and bf16 are both 16 bits: reinterpret the stored value as int16
-        bits = int(torch.tensor(value, dtype=torch.float64).to(dtype).view(torch.int16).item()) & 0xFFFF
+    else:  # 16 or 8 bits: reinterpret the stored value as an integer of its width
+        width = 1 + exponent_bits + mantissa_bits
+        as_int = torch.tensor(value, dtype=torch.float64).to(dtype).view(torch.int16 if width == 16 else torch.uint8)
+        bits = int(as_int.item()) & (2**width - 1)
     text = format(bits, f"0{1 + exponent_bits + mantissa_bits}b")
     return text[0], text[1 : 1 + exponent_bits], text[1 + exponent_bits :]

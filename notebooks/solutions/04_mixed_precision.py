@@ -1,19 +1,11 @@
 """Solutions to notebook 04's exercises (load in the notebook with `%load solutions/04_mixed_precision.py`).
 
-Each function is self-contained (imports inside), because `check` sends its source to the ranks.
+Each block replaces the stub of its exercise's cell; functions import what they use, because `check` sends their
+source to the ranks.
 """
 
-# Exercise 1 (predict): bytes of rank 0's sharded parameters for MLP(d_hidden=512) under FSDP2 with the bf16
-# policy, on FSDP_NPROC ranks. The policy casts to bf16 only what it gathers: the shards the optimizer updates stay
-# fp32, 4 bytes each, and each rank holds 1/N of them (Shard(0)). 2 * P / N, the bf16 guess, is the trap.
-#     predicted_shard_bytes = 4 * P / N,   P = sum(p.numel() for p in MLP(d_hidden=512).parameters())
 
-
-def predicted_shard_bytes(parameters: int, ranks: int) -> float:
-    return 4 * parameters / ranks
-
-
-# Exercise 2 (implement): one found-inf flag for all ranks.
+# Exercise 1 (implement): one found-inf flag for all ranks.
 def found_inf(grads):
     import torch
     import torch.distributed as dist
@@ -26,7 +18,7 @@ def found_inf(grads):
     return found
 
 
-# Exercise 3 (diagnose): the broken step clipped the *scaled* gradients (norm x 65536), so every update was
+# Exercise 2 (diagnose): the broken step clipped the *scaled* gradients (norm x 65536), so every update was
 # cut to max_norm / scale of what it should be. Unscale first, then clip, then step and update.
 def train_step(model, optimizer, scaler, x, y, max_norm):
     import torch
@@ -40,3 +32,9 @@ def train_step(model, optimizer, scaler, x, y, max_norm):
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return loss.item()
+
+
+# Exercise 3 (predict): bytes of rank 0's sharded parameters for MLP(d_hidden=512) under FSDP2 with the bf16
+# policy, on FSDP_NPROC ranks. The policy casts to bf16 only what it gathers: the shards the optimizer updates stay
+# fp32, 4 bytes each, and each rank holds 1/N of them (Shard(0)). 2 * P / N, the bf16 guess, is the trap.
+predicted_shard_bytes = 4 * sum(p.numel() for p in MLP(d_hidden=512).parameters()) / FSDP_NPROC  # noqa: F821

@@ -15,6 +15,12 @@ from course_lib.models import MLP, shard_layers_then_root
 
 SOLUTIONS = Path(__file__).resolve().parents[2] / "notebooks" / "solutions" / "04_mixed_precision.py"
 
+
+def solutions() -> dict:
+    """The solution blocks, with what the notebook defines above them (the prediction reads MLP and FSDP_NPROC)."""
+    return runpy.run_path(str(SOLUTIONS), init_globals={"MLP": MLP, "FSDP_NPROC": 2})
+
+
 # Answers to the found-inf exercise that the checker must reject, each for its own reason.
 
 
@@ -67,7 +73,7 @@ def scalers_on_sharded_ranks(rank: int, world_size: int) -> dict:
         params[name] = [local_tensor(p.detach()).clone() for p in model.parameters()]
     verdicts = {}
     for candidate in (
-        runpy.run_path(str(SOLUTIONS))["found_inf"],
+        solutions()["found_inf"],
         precision.found_inf_across_ranks,  # the shortcut, handed in as the answer
         calls_the_course_version,  # the same, called from the learner's code
         local_only,
@@ -148,11 +154,16 @@ def clips_local_shards(model, optimizer, scaler, x, y, max_norm):
     optimizer.zero_grad(set_to_none=True)
 
 
+def calls_the_course_loop(model, optimizer, scaler, x, y, max_norm):
+    """The shortcut: the course's own training loop, one batch at a time."""
+    return precision.amp_training_loop(model, optimizer, scaler, [(x, y)], max_norm=max_norm)["losses"][0]
+
+
 def clipping_verdicts(rank: int, world_size: int) -> dict:
     """The clipping checker against the solution and the wrong answers: 'passed' or the message, per candidate."""
-    candidates = [runpy.run_path(str(SOLUTIONS))["train_step"], clips_scaled, no_clipping, no_update]
+    candidates = [solutions()["train_step"], clips_scaled, no_clipping, no_update]
     verdicts = {}
-    for candidate in [*candidates, fixed_scale, clips_local_shards]:
+    for candidate in [*candidates, fixed_scale, clips_local_shards, calls_the_course_loop]:
         try:
             precision.check_clipped_scaler_step(candidate)
             verdicts[candidate.__name__] = "passed"
