@@ -17,12 +17,19 @@ import torch
 from course_lib import activations, compare, memory
 from course_lib.exercises import ExerciseFailed, check, check_prediction
 from course_lib.launch import launch
-from course_lib.models import TransformerBlock
+from course_lib.models import BLOCK, TransformerBlock
 from tests.rank_programs import assert_checker, quiet, world_sizes
 
-SOLUTIONS = runpy.run_path(
-    str(Path(__file__).resolve().parents[1] / "notebooks" / "solutions" / "05_activation_memory.py")
-)
+SOLUTIONS_PATH = Path(__file__).resolve().parents[1] / "notebooks" / "solutions" / "05_activation_memory.py"
+
+
+def solutions(on_gpu: bool = False) -> dict:
+    """The solution blocks, with what the notebook defines above them (the prediction reads LAYERS, BATCH, SEQ)."""
+    names = {"LAYERS": 4, "BATCH": 2, "SEQ": 128, "BLOCK": BLOCK, "ON_GPU": on_gpu}
+    return runpy.run_path(str(SOLUTIONS_PATH), init_globals=names)
+
+
+SOLUTIONS = solutions()
 CPU = torch.device("cpu")
 
 # ------------------------------------------------------------------------------------------------
@@ -274,7 +281,7 @@ def test_out_of_memory_on_ranks_and_two_rungs_that_fix_it():
 
 def test_prediction_exercise():
     measured = activations.derived_held("full", 4, 128, 2, torch.float32, CPU)  # what the notebook measures
-    assert check_prediction("held", SOLUTIONS["predicted_fsdp_held"](4, 2, 128), measured, rtol=0.05)
+    assert check_prediction("held", SOLUTIONS["predicted_fsdp_held"], measured, rtol=0.05)
     for wrong in (measured / 2, measured / 4, 2 * 4 * 2 * 128 * 48, measured * 16):  # / N, bf16, one layer, no AC
         assert check_prediction("held", wrong, measured, rtol=0.05) is False
 
@@ -301,6 +308,13 @@ def checkpoint_reentrant(blocks, x, k):
     return x
 
 
+def checkpoint_with_the_course_wrapper(blocks, x, k):
+    """The shortcut: the course's own Checkpointed module around the chosen blocks."""
+    for i, block in enumerate(blocks):
+        x = activations.Checkpointed(block, "full")(x) if i % k == 0 else block(x)
+    return x
+
+
 def checkpoint_shifted(blocks, x, k):
     from torch.utils.checkpoint import checkpoint
 
@@ -316,6 +330,7 @@ def checkpoint_shifted(blocks, x, k):
         (checkpoint_none, "k=1: 1,003,520 bytes held after the forward, expected 61,440"),
         (checkpoint_shifted, "k=2: 626,688 bytes held after the forward, expected 438,272"),
         (checkpoint_reentrant, "does not require grad"),
+        (checkpoint_with_the_course_wrapper, "this wraps blocks in the course's Checkpointed"),
     ],
 )
 @pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")  # the reentrant answer's own warning
@@ -359,6 +374,12 @@ def evaluate_stub(model, batches):
     raise NotImplementedError
 
 
+def evaluate_solution(model, batches):
+    """The solution, reached through this module: the ranks import it by name (the solution file alone does not run
+    outside the notebook, whose variables its prediction reads)."""
+    return SOLUTIONS["evaluate"](model, batches)
+
+
 def test_evaluate_checker_on_ranks(capsys):
     assert check(evaluate_stub, activations.check_evaluate, nproc=2, backend="gloo") is None
     assert "evaluate_stub: not attempted yet" in capsys.readouterr().out
@@ -368,7 +389,7 @@ def test_evaluate_checker_on_ranks(capsys):
         evaluate_sum: re.compile(r"mean loss [\d.]+, expected"),
         evaluate_tensor: "return the mean loss as a Python float, got Tensor",
     }
-    assert_checker(activations.check_evaluate, SOLUTIONS["evaluate"], wrong, nproc=2)
+    assert_checker(activations.check_evaluate, evaluate_solution, wrong, nproc=2)
 
 
 def test_out_of_memory_messages_are_short_and_the_same_on_every_run():

@@ -13,6 +13,7 @@
 
 from course_lib.activations.checkers import check_checkpoint_every, check_evaluate
 from course_lib.activations.formulas import (
+    attention_terms,
     attention_width,
     course_block_bytes,
     course_block_terms,
@@ -30,9 +31,11 @@ from course_lib.activations.lab import (
     cuda_memory_report,
     derived_held,
     draw_explorer,
+    draw_korthikanti_terms,
     draw_ladder,
     draw_layer_bytes,
     draw_recompute,
+    draw_tensor_parallel_bytes,
     estimate,
     explorer_curves,
     head_multiple,

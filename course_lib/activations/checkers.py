@@ -13,13 +13,17 @@ from torch import nn
 from course_lib.activations.formulas import course_block_bytes
 from course_lib.activations.lab import LiveBytes, loss_of
 from course_lib.activations.oom import MiB, allocation_scale, attempt, memory_limit, unmap_freed_memory
-from course_lib.activations.recompute import block_stack
+from course_lib.activations.recompute import Checkpointed, block_stack, checkpoint_from_scratch
 from course_lib.compare import grad_of
-from course_lib.exercises import ExerciseFailed
+from course_lib.exercises import ExerciseFailed, refusing
 from course_lib.launch.runtime import rank_device
 from course_lib.models import BLOCK
 
 CHECKED_EVERY = (1, 2, 3, 4)
+_CHECKPOINT_IT_YOURSELF = (
+    "this wraps blocks in the course's Checkpointed (or checkpoint_from_scratch): the exercise is to choose the blocks "
+    "and call torch.utils.checkpoint.checkpoint on them yourself"
+)
 LAYERS, SEQ = 5, 32
 
 
@@ -43,7 +47,7 @@ def check_checkpoint_every(fn: Callable[[nn.Sequential, torch.Tensor, int], torc
     per_layer, block_input = course_block_bytes(SEQ, batch, element_bytes=4), 4 * SEQ * batch * BLOCK.d_model
     for k in CHECKED_EVERY:
         blocks = block_stack(LAYERS)
-        with LiveBytes() as live:
+        with refusing(Checkpointed, checkpoint_from_scratch, why=_CHECKPOINT_IT_YOURSELF), LiveBytes() as live:
             out = fn(blocks, x, k)
             held = live.now()
         if not isinstance(out, torch.Tensor) or not torch.equal(out, expected_output):

@@ -89,43 +89,48 @@ def course_block_terms(
 ) -> dict[str, float]:
     """Bytes each tensor saved for backward by one `TransformerBlock` takes, on one of `t` tensor-parallel ranks.
 
-    element_bytes: the activations' dtype (2 for bf16). stats_bytes: LayerNorm's mean and 1/σ (the input dtype on
-    CPU, fp32 on CUDA; default element_bytes). attention: "flash" (fused kernel: q, k, v, the output and a fp32
-    log-sum-exp per row; on CUDA heads padded to head_multiple=8 values, and o's input then a copy) or "math"
-    (as on the CPU: it computes in fp32 and saves the softmax, a·s² per sequence).
-    With t > 1 (torch's plan, `tensor_parallel.tp_plan`) q/k/v/up are column-parallel and o/down row-parallel;
-    with sequence_parallel the norms see s/t tokens, but q/k/v and up save their all-gathered, whole input.
+    element_bytes: the activations' dtype; stats_bytes: LayerNorm's mean and 1/σ (fp32 on CUDA). With t > 1 q/k/v/up
+    are column-parallel and o/down row-parallel; with sequence_parallel the norms see s/t tokens, but q/k/v and up
+    save their all-gathered, whole input.
     """
-    if attention not in ("flash", "math"):
-        raise ValueError(f"attention must be 'flash' or 'math', got {attention!r}")
     e, stats = element_bytes, element_bytes if stats_bytes is None else stats_bytes
     tokens, sp = s * b, t if sequence_parallel else 1
-    terms = {
+    return {
         "norm1 input (the block input)": e * tokens * h / sp,
         "norm1 mean and 1/σ": 2 * stats * tokens / sp,
         "q/k/v input (norm1 output)": e * tokens * h,
-    }
-    if attention == "flash":
-        width = attention_width(h, a, head_multiple)
-        terms["q, k, v"] = 3 * e * tokens * width / t
-        if width == h:
-            terms["attention output = o input"] = e * tokens * h / t
-        else:
-            terms["attention output (padded heads)"] = e * tokens * width / t
-            terms["o input (a copy without the padding)"] = e * tokens * h / t
-        terms["log-sum-exp (fp32)"] = 4 * a * tokens / t
-    else:  # the math path upcasts 16-bit q, k, v to fp32
-        terms["q, k, v (fp32)"] = 3 * 4 * tokens * h / t
-        terms["softmax output (fp32, a·s² per sequence)"] = 4 * a * s * s * b / t
-        terms["o input (attention output)"] = e * tokens * h / t
-    terms |= {
+        **attention_terms(s, b, h, a, e, attention=attention, head_multiple=head_multiple, t=t),
         "norm2 input": e * tokens * h / sp,
         "norm2 mean and 1/σ": 2 * stats * tokens / sp,
         "up input (norm2 output)": e * tokens * h,
         "GELU input": e * tokens * d_ff / t,
         "down input (GELU output)": e * tokens * d_ff / t,
     }
-    return terms
+
+
+def attention_terms(
+    s: int, b: int, h: int, a: int, e: int, *, attention: str = "flash", head_multiple: int = 1, t: int = 1
+) -> dict[str, float]:
+    """What the attention kernel saves, and `o`'s input. "flash" (fused: q, k, v, the output and a fp32 log-sum-exp
+    per row; on CUDA heads padded to head_multiple=8 values, and o's input then a copy) or "math" (as on the CPU:
+    it computes in fp32 and saves the softmax, a·s² per sequence)."""
+    tokens = s * b
+    if attention == "flash":
+        width = attention_width(h, a, head_multiple)
+        terms = {"q, k, v": 3 * e * tokens * width / t}
+        if width == h:
+            terms["attention output = o input"] = e * tokens * h / t
+        else:
+            terms["attention output (padded heads)"] = e * tokens * width / t
+            terms["o input (a copy without the padding)"] = e * tokens * h / t
+        return terms | {"log-sum-exp (fp32)": 4 * a * tokens / t}
+    if attention == "math":  # the math path upcasts 16-bit q, k, v to fp32
+        return {
+            "q, k, v (fp32)": 3 * 4 * tokens * h / t,
+            "softmax output (fp32, a·s² per sequence)": 4 * a * s * s * b / t,
+            "o input (attention output)": e * tokens * h / t,
+        }
+    raise ValueError(f"attention must be 'flash' or 'math', got {attention!r}")
 
 
 def course_block_bytes(

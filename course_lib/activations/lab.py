@@ -16,7 +16,13 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from course_lib.activations.formulas import course_block_bytes, korthikanti_bytes, selective_block_bytes, stack_bytes
+from course_lib.activations.formulas import (
+    course_block_bytes,
+    korthikanti_bytes,
+    korthikanti_terms,
+    selective_block_bytes,
+    stack_bytes,
+)
 from course_lib.compare import full_gradients, local_tensor, saved_activation_bytes
 from course_lib.launch.runtime import seconds_in_turns
 from course_lib.memory import GB, zero_bytes_per_gpu
@@ -464,3 +470,40 @@ def draw_ladder(rows: list[dict[str, Any]], gpu_gb: float = 80, ax: Axes | None 
     ax.set(xlabel="GB per GPU")
     ax.legend(fontsize=8, loc="lower right")
     return ax
+
+
+def draw_korthikanti_terms(s: int, b: int, h: int, a: int) -> None:
+    """The paper's bytes per layer, term by term (MiB), the a·s² terms in red: where a long sequence's memory goes."""
+    import matplotlib.pyplot as plt
+
+    terms = korthikanti_terms(s, b, h, a)
+    fig, ax = plt.subplots(figsize=(8, 3.4))
+    colours = ["C3" if "softmax" in name or "dropout output" in name else "C0" for name in terms]
+    ax.barh(list(terms), [v / 2**20 for v in terms.values()], color=colours)
+    ax.invert_yaxis()
+    ax.tick_params(axis="y", labelsize=8)
+    ax.set(xlabel="MiB", title=f"one GPT layer, 16-bit, s={s}, b={b}, h={h}, a={a}: red grows like s²")
+    plt.tight_layout()
+    plt.show()
+
+
+def draw_tensor_parallel_bytes(s: int, b: int, h: int, a: int, ts: tuple[int, ...] = (1, 2, 4, 8)) -> None:
+    """Bytes per rank per layer (in units of s·b·h) against the tensor-parallel size t: the paper's layer and the
+    course block (fp32 LayerNorm statistics, as on CUDA), each without and with sequence parallelism."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    for sp, style in ((False, "-o"), (True, "--s")):
+        paper = [korthikanti_bytes(s, b, h, a, t, sp) / (s * b * h) for t in ts]
+        course = [
+            course_block_bytes(s, b, h, a, 4 * h, stats_bytes=4, t=t, sequence_parallel=sp) / (s * b * h) for t in ts
+        ]
+        suffix = " + SP" if sp else ""
+        ax.plot(ts, paper, style, color="C3", label=f"paper's layer, TP{suffix}")
+        ax.plot(ts, course, style, color="C0", label=f"course block (fused attention), TP{suffix}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(ts), [str(t) for t in ts])
+    ax.set(xlabel="tensor-parallel size t", ylabel="bytes per rank / (s·b·h)", title=f"one layer, s={s}, h={h}, a={a}")
+    ax.legend(fontsize=8)
+    plt.tight_layout()
+    plt.show()

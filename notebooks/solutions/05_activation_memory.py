@@ -1,18 +1,15 @@
 """Solutions to notebook 05's exercises (load in the notebook with `%load solutions/05_activation_memory.py`).
 
-Each function is self-contained (imports inside), because `check` sends its source to the ranks.
+Each block replaces the stub of its exercise's cell; functions import what they use, because `check` sends their
+source to the ranks.
 """
 
-# Exercise 1 (predict): the bytes each rank holds after the forward of section 5's FSDP2 run with full
-# recomputation. A checkpointed block keeps only its input: b·s·h values of this rank's own micro-batch, in fp32
-# (4 bytes) on the CPU. FSDP shards parameters, gradients and optimizer state, not activations: nothing is divided
-# by the number of ranks. (The output of the last block takes the place of the first block's input, which the
-# data loader made before the measurement began.)
-#     predicted_fsdp_held = LAYERS * 4 * B * S * 48
-
-
-def predicted_fsdp_held(layers: int, batch: int, seq: int, hidden: int = 48, element_bytes: int = 4) -> int:
-    return layers * element_bytes * batch * seq * hidden
+# Exercise 1 (predict): the bytes each rank holds after the forward of section 4's FSDP2 run with full
+# recomputation. A checkpointed block keeps only its input: BATCH·SEQ·d_model values of this rank's own
+# micro-batch, in fp32 (4 bytes) on the CPU, bf16 (2) on GPUs. FSDP shards parameters, gradients and optimizer
+# state, not activations: nothing is divided by the number of ranks. (The output of the last block takes the place
+# of the first block's input, which existed before the measurement began.)
+predicted_fsdp_held = LAYERS * BATCH * SEQ * BLOCK.d_model * (2 if ON_GPU else 4)  # noqa: F821 (the notebook's)
 
 
 # Exercise 2 (implement): checkpoint blocks 0, k, 2k, ...; run the others as they are.
