@@ -17,9 +17,14 @@ from course_lib import context_parallel as cp
 from course_lib.exercises import check_prediction
 from tests.rank_programs import assert_checker, judge, run_source, world_sizes
 
-SOLUTIONS = runpy.run_path(
-    str(Path(__file__).parent.parent / "notebooks" / "solutions" / "10_context_parallel.py")
-)
+SOLUTIONS_FILE = str(Path(__file__).parent.parent / "notebooks" / "solutions" / "10_context_parallel.py")
+SOLUTIONS = runpy.run_path(SOLUTIONS_FILE, init_globals={"NPROC": 2})
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 6])
+def test_predicted_forward_bytes_is_the_ring_formula(n):
+    predicted = runpy.run_path(SOLUTIONS_FILE, init_globals={"NPROC": n})["predicted_forward_bytes"]
+    assert predicted == cp.ring_bytes("zigzag", 48, n, 0, batch=2, heads=4, head_dim=8, element_size=4)["forward K/V"]
 
 
 # ---- one process -------------------------------------------------------------------------------------
@@ -307,8 +312,19 @@ def library_ring_forward(q, k, v):  # the shortcut: the course's own ring attent
     return cp.ring_attention(q, k, v, held, causal=False)
 
 
+def hoarding_ring_forward(q, k, v):  # the blocks relayed round the ring with messages, every one kept, then merged
+    from course_lib import context_parallel as cp
+
+    blocks = list(_ring_blocks(k, v))  # all N blocks held at once: a point-to-point all-gather, not a ring
+    out, lse = cp.block_attention(q, blocks[0][0], blocks[0][1])
+    for kv in blocks[1:]:
+        out, lse = cp.merge_partials(out, lse, *cp.block_attention(q, kv[0], kv[1]))
+    return out
+
+
 def test_ring_forward_checker():
     wrong = {
+        hoarding_ring_forward: "held 2 received K/V blocks it had not attended to yet (3 ranks, chunks of 3)",
         local_ring_forward: "sent no message",
         gathered_ring_forward: "dist.all_gather is not allowed",
         averaged_ring_forward: "elements wrong",
@@ -320,5 +336,60 @@ def test_ring_forward_checker():
 
 @pytest.mark.parametrize("nproc", world_sizes(2, 4))
 def test_solutions_pass_at_other_world_sizes(nproc):
-    cases = [(SOLUTIONS["ring_forward"], cp.check_ring_forward)]
+    cases = [
+        (SOLUTIONS["ring_forward"], cp.check_ring_forward),
+        (SOLUTIONS["heads_to_sequence"], cp.check_heads_to_sequence),
+    ]
     assert judge(cases, nproc) == [["ok"] * nproc] * len(cases)
+
+
+def stub_heads_to_sequence(x):
+    raise NotImplementedError  # your code here
+
+
+def broken_heads_to_sequence(x):  # the notebook's broken program: rows head by head, not chunk by chunk
+    import torch.distributed as dist
+
+    from course_lib import expert_parallel as ep
+
+    n = dist.get_world_size()
+    b, g, s, d = x.shape
+    blocks = x.transpose(0, 1).reshape(n * g, b, s // n, d)
+    return ep.all_to_all(blocks, [g] * n, [g] * n, None).transpose(0, 1)
+
+
+def gathered_heads_to_sequence(x):
+    import torch
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x)  # every head of every token on every rank
+    c = x.shape[2] // dist.get_world_size()
+    return torch.cat(parts, dim=1)[:, :, dist.get_rank() * c : (dist.get_rank() + 1) * c]
+
+
+def everything_to_everyone(x):  # an all-to-all that sends every rank the whole tensor, then keeps its chunk
+    import torch
+    import torch.distributed as dist
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    out = torch.empty((n, *x.shape), dtype=x.dtype)
+    dist.all_to_all_single(out, x.expand(n, *x.shape).contiguous())
+    c = x.shape[2] // n
+    return torch.cat(list(out), dim=1)[:, :, rank * c : (rank + 1) * c]
+
+
+def library_heads_to_sequence(x):  # the shortcut: the course's own inverse, which section 7's Ulysses calls
+    from course_lib import context_parallel as cp
+
+    return cp.heads_to_sequence(x)
+
+
+def test_heads_to_sequence_checker():
+    wrong = {
+        broken_heads_to_sequence: "elements wrong",
+        gathered_heads_to_sequence: "dist.all_gather is not allowed",
+        everything_to_everyone: "send each rank only its own tokens of your heads, once",
+        library_heads_to_sequence: "this uses the course's own Ulysses (section 7 calls it)",
+    }
+    assert_checker(cp.check_heads_to_sequence, SOLUTIONS["heads_to_sequence"], wrong, stub=stub_heads_to_sequence)

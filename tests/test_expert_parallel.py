@@ -9,6 +9,7 @@ self-contained (imports inside).
 
 import re
 import runpy
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,9 +18,22 @@ import torch
 from course_lib import expert_parallel as ep
 from tests.rank_programs import assert_checker, judge, run_source, world_sizes
 
-SOLUTIONS = runpy.run_path(
-    str(Path(__file__).parent.parent / "notebooks" / "solutions" / "10_context_parallel.py")
+# The prediction reads the notebook's `routed` (each rank's assignments per expert): a copy of the solutions defines
+# it first, as the notebook has, so the ranks can run the file too (tests.rank_programs.judge runs it there).
+NOTEBOOK_NAMES = """import torch
+from course_lib import expert_parallel as ep
+
+routed = [ep.TopKRouter(16, 12, 2, 1.0)(ep.token_batch(32, 16, 0)).routed_per_expert()]  # rank 0's, notebook 11
+"""
+SOLUTIONS_FILE = Path(tempfile.mkdtemp(prefix="solutions-11-")) / "11_expert_parallel.py"
+SOLUTIONS_FILE.write_text(
+    NOTEBOOK_NAMES + (Path(__file__).parent.parent / "notebooks" / "solutions" / "11_expert_parallel.py").read_text()
 )
+SOLUTIONS = runpy.run_path(str(SOLUTIONS_FILE))
+
+
+def test_predicted_dropped_is_what_the_router_drops():
+    assert SOLUTIONS["predicted_dropped"] == ep.TopKRouter(16, 12, 2, 1.5)(ep.token_batch(32, 16, 0)).dropped()
 
 
 # ---- one process -------------------------------------------------------------------------------------
@@ -247,8 +261,25 @@ def rows_without_experts(tokens, expert_of_token, n_experts):
     return rows, expert_of_token[order][: len(rows)]  # its own experts' ids, not those of the rows received
 
 
+def everywhere_dispatch(tokens, expert_of_token, n_experts):  # every token to every rank, filtered there
+    import torch
+    import torch.distributed as dist
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    counts = torch.full((n,), len(tokens), dtype=torch.long)
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts)
+    rows = tokens.new_empty((int(received.sum()), tokens.shape[1]))
+    dist.all_to_all_single(rows, tokens.repeat(n, 1), received.tolist(), counts.tolist())
+    experts = expert_of_token.new_empty(int(received.sum()))
+    dist.all_to_all_single(experts, expert_of_token.repeat(n), received.tolist(), counts.tolist())
+    mine = experts // (n_experts // n) == rank
+    return rows[mine], experts[mine]
+
+
 def test_dispatch_checker():
     wrong = {
+        everywhere_dispatch: "send each token only to the rank of its expert (not to every rank, to be filtered there)",
         broken_dispatch: "rows belong to other ranks' experts",
         local_dispatch: "never called dist.all_to_all_single",
         gathered_dispatch: "dist.all_gather_object is not allowed",
@@ -259,5 +290,34 @@ def test_dispatch_checker():
 
 @pytest.mark.parametrize("nproc", world_sizes(2, 4))
 def test_solutions_pass_at_other_world_sizes(nproc):
-    cases = [(SOLUTIONS["dispatch"], ep.check_dispatch)]
+    cases = [(SOLUTIONS["dispatch"], ep.check_dispatch), (SOLUTIONS["capacity_mask"], ep.check_capacity_mask)]
     assert judge(cases, nproc) == [["ok"] * nproc] * len(cases)
+
+
+def stub_capacity_mask(experts, n_experts, cap):
+    raise NotImplementedError  # your code here
+
+
+def token_order_mask(experts, n_experts, cap):  # queues token by token: a second choice can push out a first
+    import torch
+
+    kept, taken = torch.zeros(experts.shape, dtype=torch.bool), [0] * n_experts
+    for token in range(experts.shape[0]):
+        for choice in range(experts.shape[1]):
+            kept[token, choice] = taken[int(experts[token, choice])] < cap
+            taken[int(experts[token, choice])] += 1
+    return kept
+
+
+def library_capacity_mask(experts, n_experts, cap):  # the shortcut: the router's own cut
+    from course_lib import expert_parallel as ep
+
+    return ep.keep_within_capacity(experts, n_experts, cap)
+
+
+def test_capacity_mask_checker():
+    wrong = {
+        token_order_mask: "elements wrong",
+        library_capacity_mask: "this uses the course's own capacity cut (the router calls it)",
+    }
+    assert_checker(ep.check_capacity_mask, SOLUTIONS["capacity_mask"], wrong, stub=stub_capacity_mask)

@@ -1,11 +1,12 @@
-"""Notebook 10's context-parallel exercise, checked on the ranks: the forward of ring attention.
+"""Notebook 10's exercises, checked on the ranks: ring attention's forward, and Ulysses' way back to the tokens.
 
-The solution is in notebooks/solutions/10_context_parallel.py, not here.
+The solutions are in notebooks/solutions/10_context_parallel.py, not here.
 """
 
 from __future__ import annotations
 
 import random
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -16,10 +17,12 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from course_lib.context_parallel.ring_attention import Ring, RingAttention, ring_attention
+from course_lib.context_parallel.ulysses import heads_to_sequence, ulysses_attention
 from course_lib.exercises import ExerciseFailed, expect_equal, refusing
 from course_lib.exercises.calls import (
     BLOCKING_P2P,
     COLLECTIVES,
+    COMMUNICATION,
     DEADLOCK_S,
     NONBLOCKING_P2P,
     gather_reports,
@@ -59,24 +62,33 @@ def check_ring_forward(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], 
         dist.all_gather_object(everyone, (q, k, v), group=side)
         full_q, full_k, full_v = (torch.cat([mine[i] for mine in everyone], dim=2) for i in range(3))
         expected = F.scaled_dot_product_attention(full_q, full_k, full_v)[:, :, rank * chunk : (rank + 1) * chunk]
-        device = rank_device()
+        mine = [t.to(rank_device()) for t in (q, k, v)]
         with (
             record_calls(forbidden=COLLECTIVES, advice=_RING_ONLY, bound_s=DEADLOCK_S) as calls,
-            _Longest() as seen,
+            _Watch(mine[0], 2 * k.nbytes) as seen,
             refusing(Ring, RingAttention, ring_attention, why=_WRITE_THE_RING),
         ):
-            got, error = run_bounded(fn, q.to(device), k.to(device), v.to(device))
-        reports = gather_reports((None if error is None else f"{type(error).__name__}: {error}", seen.longest), side)
-        failed = [(r, e) for r, (e, _) in enumerate(reports) if e is not None]
+            got, error = run_bounded(fn, *mine)
+        report = (None if error is None else f"{type(error).__name__}: {error}", seen.longest, seen.waiting)
+        reports = gather_reports(report, side)
+        failed = [(r, e) for r, (e, _, _) in enumerate(reports) if e is not None]
         if failed:
             r, e = failed[0]
             raise ExerciseFailed(f"rank {r} raised or waited too long ({e}) with chunks of {chunk} tokens")
-        whole = [r for r, (_, longest) in enumerate(reports) if n > 1 and longest >= n * chunk]
+        whole = [r for r, (_, longest, _) in enumerate(reports) if n > 1 and longest >= n * chunk]
         if whole:
             raise ExerciseFailed(
                 f"ranks {whole} built a tensor spanning all {n * chunk} tokens (chunks of {chunk}): you gathered the "
                 "whole K/V (or every score) on one rank. A ring never holds more than a block or two: attend to each "
                 "block as it arrives and merge the partial results with the online softmax"
+            )
+        hoarded = [(r, waiting) for r, (_, _, waiting) in enumerate(reports) if waiting > 1.5]
+        if hoarded:
+            r, waiting = hoarded[0]
+            raise ExerciseFailed(
+                f"rank {r} held {waiting:g} received K/V blocks it had not attended to yet ({n} ranks, chunks of "
+                f"{chunk}): you gathered the blocks with messages and kept them. A ring holds two blocks, the one it "
+                "computes on and the one arriving: attend to each block when it arrives, before the next one"
             )
         if not any(call.name in BLOCKING_P2P + NONBLOCKING_P2P for call in calls):
             raise ExerciseFailed(f"rank {rank} sent no message: its queries need every rank's keys and values")
@@ -91,17 +103,85 @@ def check_ring_forward(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], 
         )
 
 
-class _Longest(TorchDispatchMode):
-    """The longest last or second-to-last dimension of any tensor an op makes while active: the most tokens
-    (keys, or scores per query) one tensor held."""
+_SHAPE_ONLY = {"empty_like", "zeros_like", "ones_like", "full_like", "new_empty", "new_zeros", "new_ones", "new_full"}
 
-    def __init__(self) -> None:
+
+class _Watch(TorchDispatchMode):
+    """What the learner's ops hold: the longest last or second-to-last dimension of any tensor an op makes (the most
+    tokens one tensor held), and `waiting`, the most received K/V blocks (in blocks of `block_bytes`) not yet read
+    when the queries meet a block: a ring has at most the one arriving; gathering every block first has N - 1."""
+
+    def __init__(self, queries: torch.Tensor, block_bytes: int) -> None:
         super().__init__()
-        self.longest = 0
+        self.longest, self.waiting, self.block_bytes = 0, 0.0, block_bytes
+        self.queries = queries.untyped_storage().data_ptr()
+        self.unread: dict[int, int] = {}  # storage of a received buffer -> its bytes, until an op reads it
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if func.namespace == "c10d" and func._opname == "recv_":
+            for buffer in args[0]:
+                self.unread[buffer.untyped_storage().data_ptr()] = buffer.nbytes
+                weakref.finalize(buffer, self.unread.pop, buffer.untyped_storage().data_ptr(), None)
+        elif not func.is_view and func.namespace != "c10d" and func._opname not in _SHAPE_ONLY:
+            storages = {t.untyped_storage().data_ptr() for t in tensors}
+            for storage in storages & set(self.unread):
+                del self.unread[storage]
+            if self.queries in storages:  # the queries meet a block: how many received blocks wait unread
+                self.waiting = max(self.waiting, sum(self.unread.values()) / self.block_bytes)
         out = func(*args, **(kwargs or {}))
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.dim() >= 2:
                 self.longest = max(self.longest, t.shape[-2], t.shape[-1])
         return out
+
+
+_ALL_TO_ALL = "move the blocks with dist.all_to_all_single (or ep.all_to_all), one all-to-all"
+_WRITE_THE_INVERSE = (
+    "this uses the course's own Ulysses (section 7 calls it): write the inverse all-to-all yourself, from "
+    "dist.all_to_all_single or ep.all_to_all"
+)
+
+
+def check_heads_to_sequence(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """fn(x) -> this rank's tokens of every head: x (batch, h/N, S, d) holds every token of this rank's heads
+    (heads r·h/N ... (r+1)·h/N - 1); the result (batch, h, S/N, d) is the contiguous chunk r of the sequence.
+
+    Only all-to-alls may move the data, and at most one all-to-all's worth of bytes: (N-1)/N of x.
+    """
+    from course_lib import comms
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    side = side_group()
+    for batch, heads_per_rank, chunk, dim in ((2, 1, 3, 4), (1, 2, 2, 3)):
+        x = _secret((batch, heads_per_rank, n * chunk, dim))
+        everyone: list = [None] * n
+        dist.all_gather_object(everyone, x, group=side)
+        whole = torch.cat(everyone, dim=1)  # (b, h, S, d): rank j's heads are heads j·h/N ...
+        expected = whole[:, :, rank * chunk : (rank + 1) * chunk]
+        allowed = ("all_to_all_single", "all_to_all")
+        with (
+            record_calls(forbidden=[c for c in COMMUNICATION if c not in allowed], advice=_ALL_TO_ALL) as calls,
+            comms.Recorder() as recorder,
+            refusing(heads_to_sequence, ulysses_attention, why=_WRITE_THE_INVERSE),
+        ):
+            got, error = run_bounded(fn, x.to(rank_device()))
+        reports = gather_reports(None if error is None else f"{type(error).__name__}: {error}", side)
+        failed = [(r, e) for r, e in enumerate(reports) if e is not None]
+        if failed:
+            r, e = failed[0]
+            raise ExerciseFailed(f"rank {r} raised or waited too long: {e}")
+        if n > 1 and not calls:
+            raise ExerciseFailed(f"rank {rank} sent nothing: its tokens of the other ranks' heads are on those ranks")
+        budget = x.nbytes * (n - 1) // n
+        sent = sum(call.nbytes for call in recorder.calls)
+        if sent > budget:
+            raise ExerciseFailed(
+                f"rank {rank} sent {sent} B where one all-to-all sends {budget} B ((N-1)/N of its {x.nbytes} B): "
+                "send each rank only its own tokens of your heads, once"
+            )
+        expect_equal(
+            f"rank {rank}'s tokens of every head ({n} ranks, {heads_per_rank} heads each, chunks of {chunk})",
+            got.detach().cpu() if isinstance(got, torch.Tensor) else got,
+            expected,
+        )

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from course_lib.context_parallel.cost import overlap_tokens, ring_bytes_even, saved_bytes
+from course_lib.context_parallel.cost import overlap_tokens, ring_bytes_even
 from course_lib.context_parallel.layout import LAYOUTS, all_positions, causal_work, shard_sequence
 from course_lib.context_parallel.ring_attention import ring_attention
 from course_lib.launch.runtime import synchronize
@@ -163,14 +163,16 @@ def draw_step_times(
 
 
 def draw_cp_explorer(seq_len_k: int, ranks: int, link: str) -> None:
-    """A Llama-8B-sized attention layer (32 heads of 128, bf16, batch 1) at `seq_len_k`·1024 tokens on N ranks."""
+    """Llama 3 8B's attention layer (32 query heads and 8 K/V heads of 128, bf16, batch 1) at `seq_len_k`·1024
+    tokens on N ranks: the ring passes the 8 K/V heads."""
     import matplotlib.pyplot as plt
 
-    seq, heads, dim, e = seq_len_k * 1024, 32, 128, 2
+    seq, heads, kv_heads, dim, e = seq_len_k * 1024, 32, 8, 128, 2
     ns = [n for n in (1, 2, 4, 8, 16, 32, 64) if n * 2 <= seq]
     gib = 2**30
     fig, (mem, comm) = plt.subplots(1, 2, figsize=(10, 3.6))
-    mem.plot(ns, [saved_bytes(seq // n, 1, heads, dim, e) / gib for n in ns], "o-", label="attention's saved tensors")
+    saved = [(2 * heads * dim + 2 * kv_heads * dim + heads) * (seq // n) * e / gib for n in ns]  # q, o, lse; k, v
+    mem.plot(ns, saved, "o-", label="attention's saved tensors")
     mem.plot(
         ns, [heads * (seq // n) ** 2 * e / gib for n in ns], "s--", label="one step's score block (if materialised)"
     )
@@ -184,17 +186,46 @@ def draw_cp_explorer(seq_len_k: int, ranks: int, link: str) -> None:
     flops, bandwidth = 400e12, LINKS[link]  # 400 TFLOP/s: a realistic bf16 rate on an H100
     chunk = seq / ranks
     compute_ms = 2 * heads * chunk**2 * dim / flops * 1e3  # a causal zig-zag step: half of 4·h·c²·d
-    send_ms = 2 * heads * chunk * dim * e / bandwidth * 1e3
+    send_ms = 2 * kv_heads * chunk * dim * e / bandwidth * 1e3
     comm.bar(["compute", "send K/V"], [compute_ms, send_ms], color=["C0", "C1"])
     hidden = "hidden behind compute" if send_ms <= compute_ms else "NOT hidden"
-    needed = overlap_tokens(flops, bandwidth, e)
+    needed = overlap_tokens(flops, bandwidth, e) * kv_heads / heads  # 4 query heads per K/V head: 4x the flops
     comm.set_title(
         f"one ring step on {ranks} ranks: the message is {hidden}\n(needs ≥ {needed:.0f} tokens per rank)", fontsize=9
     )
     comm.set_ylabel("ms")
-    total = ring_bytes_even(seq, ranks, 1, heads, dim, e) / gib
+    total = ring_bytes_even(seq, ranks, 1, kv_heads, dim, e) / gib
     fig.suptitle(
         f"{seq // ranks} tokens per rank; {total:.2f} GiB sent per rank per layer (forward + backward)", fontsize=10
     )
     plt.tight_layout()
+    plt.show()
+
+
+def draw_ulysses_layout(world_size: int, heads: int = 12) -> None:
+    """Ulysses' all-to-all: who holds which (head, sequence chunk) before (my tokens of every head), during
+    attention (every token of my heads) and after (my tokens again); hatched: the blocks an all-to-all moves."""
+    import matplotlib.pyplot as plt
+
+    n, per = world_size, heads // world_size
+    stages = [
+        ("q, k, v: rank r holds chunk r of every head", lambda h, c: c),
+        ("after all-to-all: rank r holds every chunk of its heads", lambda h, c: h // per),
+        ("output after all-to-all back: chunk r again", lambda h, c: c),
+    ]
+    fig, axes = plt.subplots(1, 3, figsize=(11, 0.22 * heads + 1.6), sharey=True)
+    for i, (ax, (title, holder)) in enumerate(zip(axes, stages)):
+        for h in range(heads):
+            for c in range(n):
+                moved = i > 0 and holder(h, c) != stages[i - 1][1](h, c)
+                ax.add_patch(plt.Rectangle((c, h), 1, 1, color=plt.cm.tab10(holder(h, c) % 10), alpha=0.6))
+                if moved:
+                    ax.add_patch(plt.Rectangle((c, h), 1, 1, fill=False, hatch="//", lw=0))
+        ax.set(xlim=(0, n), ylim=(heads, 0), title=title, xlabel="sequence chunk")
+        ax.title.set_fontsize(8)
+        ax.set_xticks([c + 0.5 for c in range(n)], [str(c) for c in range(n)])
+    axes[0].set_ylabel("head")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=plt.cm.tab10(r % 10), alpha=0.6) for r in range(n)]
+    fig.legend(handles, [f"rank {r}" for r in range(n)], loc="lower center", ncol=min(n, 8))
+    plt.tight_layout(rect=(0, 0.1, 1, 1))
     plt.show()

@@ -7,9 +7,10 @@ reverse (the all-to-all's gradient is the opposite all-to-all).
 
 Bytes per rank and layer, N ranks, S tokens, b·h·d·e per token of one tensor: each all-to-all keeps 1/N of its
 input and sends the rest, (N-1)/N · b·h·(S/N)·d·e. Forward: q, k, v in and the output back, 4 of them; backward: 4
-more. The ring sends 2·b·h·d·e·S·(N-1)/N forward: Ulysses / ring = 2/N forward, so Ulysses' bytes per rank fall as
-N grows while the ring's stay. Its limit: N must divide the number of heads (of K/V heads too, with grouped-query
-attention's few K/V heads), where the ring splits any sequence over any N.
+more, as many bytes as the forward. The ring sends 2·b·h·d·e·S·(N-1)/N forward and (2N-1)/(N-1) times that backward:
+Ulysses / ring = 2/N forward, 4(N-1)/(N(3N-2)) over forward and backward. Under grouped-query attention (h_kv K/V
+heads) the ring passes only the K/V heads: Ulysses / ring = (h/h_kv + 1)/N forward. Its limit: N must divide the
+query heads (past N = h_kv the K/V heads are replicated), where the ring splits any sequence over any N.
 """
 
 from __future__ import annotations

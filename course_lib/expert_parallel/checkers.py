@@ -1,6 +1,6 @@
-"""Notebook 10's expert-parallel exercise, checked on the ranks: the dispatch of tokens to their experts.
+"""Notebook 11's exercises, checked on the ranks: the dispatch of tokens to their experts, and the capacity cut.
 
-The solution is in notebooks/solutions/10_context_parallel.py, not here.
+The solutions are in notebooks/solutions/11_expert_parallel.py, not here.
 """
 
 from __future__ import annotations
@@ -11,8 +11,10 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from course_lib.exercises import ExerciseFailed
+from course_lib import comms
+from course_lib.exercises import ExerciseFailed, expect_equal, refusing
 from course_lib.exercises.calls import COMMUNICATION, gather_reports, record_calls, run_bounded, side_group
+from course_lib.expert_parallel.router import TopKRouter, keep_within_capacity
 from course_lib.launch.runtime import rank_device
 
 _ALL_TO_ALL_ONLY = "the tokens travel with dist.all_to_all_single (the counts first, then the rows)"
@@ -36,15 +38,16 @@ def check_dispatch(fn: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.T
     for trial in range(2):
         gen = torch.Generator().manual_seed(random.SystemRandom().randrange(2**31))
         count = 4 + 3 * rank + trial
-        tokens = torch.randn(count, 3, generator=gen)
+        tokens = torch.randn(count, 16, generator=gen)  # wide rows: sending a row twice shows in the bytes
         experts = torch.randint(0, n_experts, (count,), generator=gen)
+        experts[0] = rank * per_rank  # one token stays home: a copy sent to every rank costs more than the dispatch
         everyone: list = [None] * n
         dist.all_gather_object(everyone, (tokens, experts), group=side)
         expected = _rows(
             [(int(e), row.tolist()) for t, ex in everyone for row, e in zip(t, ex) if int(e) // per_rank == rank]
         )
         device = rank_device()
-        with record_calls(forbidden=_FORBIDDEN, advice=_ALL_TO_ALL_ONLY) as calls:
+        with record_calls(forbidden=_FORBIDDEN, advice=_ALL_TO_ALL_ONLY) as calls, comms.Recorder() as recorder:
             got, error = run_bounded(fn, tokens.to(device), experts.to(device), n_experts)
         reports = gather_reports(None if error is None else f"{type(error).__name__}: {error}", side)
         failed = [(r, e) for r, e in enumerate(reports) if e is not None]
@@ -53,6 +56,15 @@ def check_dispatch(fn: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.T
             raise ExerciseFailed(f"rank {r} raised or waited too long: {e}")
         if not any(call.name == "all_to_all_single" for call in calls):
             raise ExerciseFailed(f"rank {rank} never called dist.all_to_all_single: {_ALL_TO_ALL_ONLY}")
+        away = int((experts // per_rank != rank).sum())  # rows that must leave: each to its expert's rank, once
+        budget = away * (tokens[0].nbytes + experts[0].nbytes) + (n - 1) * per_rank * 8  # and the counts
+        sent = sum(call.nbytes for call in recorder.calls)
+        if sent > budget:
+            raise ExerciseFailed(
+                f"rank {rank} sent {sent} B, where its {away} tokens for other ranks' experts, their expert ids and "
+                f"the counts take at most {budget} B: send each token only to the rank of its expert (not to every "
+                "rank, to be filtered there)"
+            )
         if not (isinstance(got, tuple) and len(got) == 2 and all(isinstance(t, torch.Tensor) for t in got)):
             raise ExerciseFailed("dispatch must return two tensors: the rows received and the expert of each row")
         rows, row_experts = (t.detach().cpu() for t in got)
@@ -71,3 +83,34 @@ def check_dispatch(fn: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.T
         if mine != expected:
             wrong = sum(a != b for a, b in zip(mine, expected))
             raise ExerciseFailed(f"rank {rank}: {wrong} of {len(mine)} rows are not the tokens routed to its experts")
+
+
+_WRITE_THE_CUT = (
+    "this uses the course's own capacity cut (the router calls it): write the queue yourself, first choices "
+    "before second choices"
+)
+
+
+def check_capacity_mask(fn: Callable[[torch.Tensor, int, int], torch.Tensor]) -> None:
+    """fn(experts, n_experts, cap) -> (T, k) bool mask of the assignments each expert takes: its first `cap`
+    assignments, all first choices (in token order) before any second choice, and so on.
+
+    Each rank checks its own routings, drawn at random, and one where the order of the queue decides.
+    """
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(random.SystemRandom().randrange(2**31))
+    # token 1's first choice (expert 0) comes before token 0's second choice: in token order it would not
+    cases = [(torch.tensor([[1, 0], [0, 1], [0, 2]]), 3, 2)]
+    for tokens, n_experts, top_k, cap in ((12, 4, 2, 3), (20, 6, 3, 4), (9, 5, 1, 1)):
+        cases.append((torch.rand(tokens, n_experts, generator=gen).topk(top_k, dim=-1).indices, n_experts, cap))
+    for experts, n_experts, cap in cases:
+        with refusing(keep_within_capacity, TopKRouter, why=_WRITE_THE_CUT):
+            got = fn(experts.clone(), n_experts, cap)
+        if not isinstance(got, torch.Tensor) or got.dtype != torch.bool:
+            raise ExerciseFailed(f"capacity_mask must return a bool tensor, got {getattr(got, 'dtype', type(got))}")
+        expect_equal(
+            f"rank {rank}: the assignments kept ({experts.shape[0]} tokens, top-{experts.shape[1]} of {n_experts} "
+            f"experts, capacity {cap})",
+            got.cpu().int(),
+            keep_within_capacity(experts, n_experts, cap).int(),
+        )

@@ -142,3 +142,24 @@ def draw_ep_explorer(n_experts: int, top_k: int, capacity_factor: float, skew: f
     ax.legend(fontsize=8)
     plt.tight_layout()
     plt.show()
+
+
+def draw_dispatch(send_splits: Sequence[Sequence[int]]) -> None:
+    """The two all-to-alls as matrices: dispatch sends row i's tokens from rank i to rank j (its experts' rank);
+    combine sends the outputs back, the transpose. The diagonal stays home; the rest is what travels."""
+    import matplotlib.pyplot as plt
+
+    rows = torch.tensor([list(s) for s in send_splits])
+    n = len(rows)
+    fig, axes = plt.subplots(1, 2, figsize=(2.0 * n + 3.5, 1.0 * n + 1.4))
+    for ax, (title, matrix) in zip(axes, (("dispatch: tokens", rows), ("combine: outputs", rows.t()))):
+        ax.imshow(matrix.numpy(), cmap="Blues", vmin=0)
+        for i in range(n):
+            for j in range(n):
+                stays = " (home)" if i == j else ""
+                ax.text(j, i, f"{int(matrix[i, j])}{stays}", ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(n), [f"to {j}" for j in range(n)])
+        ax.set_yticks(range(n), [f"from {i}" for i in range(n)])
+        ax.set_title(f"{title}, rows rank → rank", fontsize=9)
+    plt.tight_layout()
+    plt.show()

@@ -1,17 +1,14 @@
 """Solutions to notebook 10's exercises (load in the notebook with `%load solutions/10_context_parallel.py`).
 
-Each function is self-contained (imports inside), because `check` sends its source to the ranks.
+Each block replaces the stub in its exercise's cell; a function imports what it uses inside its body, because
+`check` sends its source to the ranks.
 """
 
-# Exercise 1 (predict): the bytes rank 0 sends in the forward of one attention layer, S = 48 tokens on N ranks
-# (N divides 48), batch 2, 4 heads of 8, float32. Each of the N - 1 ring steps sends one block: K and V (2) of
-# its S/N tokens, b·h·d numbers each, 4 bytes per number (section 6's formula 2·b·h·d·e·S·(N-1)/N).
-# Forgetting V halves it; N steps instead of N - 1 is N/(N-1) too high.
-#     predicted_forward_bytes = 2 * (NPROC - 1) * (48 // NPROC) * 2 * 4 * 8 * 4
-
-
-def predicted_forward_bytes(ranks: int, seq_len: int = 48, batch: int = 2, heads: int = 4, head_dim: int = 8) -> int:
-    return 2 * (ranks - 1) * (seq_len // ranks) * batch * heads * head_dim * 4
+# Exercise 1 (predict): the bytes rank 0 sends in the forward of one attention layer, S = 48 tokens on N = NPROC
+# ranks (N divides 48), batch 2, 4 heads of 8, float32. Each of the N - 1 ring steps sends one block: K and V (2) of
+# its S/N tokens, b·h·d numbers each, 4 bytes per number (2·b·h·d·e·S·(N-1)/N). Forgetting V halves it; N steps
+# instead of N - 1 is N/(N-1) too high.
+predicted_forward_bytes = 2 * (NPROC - 1) * (48 // NPROC) * 2 * 4 * 8 * 4  # noqa: F821 (the notebook's NPROC)
 
 
 # Exercise 2 (implement): ring attention's forward without a mask. Post the exchange of the K/V block (send to
@@ -41,23 +38,16 @@ def ring_forward(q, k, v):
     return out
 
 
-# Exercise 3 (diagnose): all_to_all_single sends rows [0, c_0) to rank 0, the next c_1 rows to rank 1, ...: the
-# rows must be sorted by destination first. The broken dispatch sent them in token order, so each rank got the
-# right number of rows, but rows meant for other ranks' experts. Sort tokens (and their experts) by destination.
-def dispatch(tokens, expert_of_token, n_experts):
-    import torch
+# Exercise 3 (diagnose): the all-to-all sends its input's rows in order, the first g (= h/N) rows to rank 0, the next
+# g to rank 1, ...: rank j must get chunk j of the sequence of each of my g heads. The broken version laid the rows
+# out head by head (all of head 0's chunks, then head 1's), so rank j got whole heads instead of its own tokens.
+# Put the chunk first: block j = chunk j of every one of my heads, then one all-to-all.
+def heads_to_sequence(x):
     import torch.distributed as dist
 
+    from course_lib import expert_parallel as ep
+
     n = dist.get_world_size()
-    destination = expert_of_token // (n_experts // n)
-    order = torch.argsort(destination, stable=True)
-    tokens, expert_of_token = tokens[order], expert_of_token[order]
-    send_counts = torch.bincount(destination, minlength=n)
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts)  # the counts first: the receivers size their buffers
-    send, recv = send_counts.tolist(), recv_counts.tolist()
-    rows = tokens.new_empty((sum(recv), tokens.shape[1]))
-    dist.all_to_all_single(rows, tokens, recv, send)
-    experts = expert_of_token.new_empty(sum(recv))
-    dist.all_to_all_single(experts, expert_of_token, recv, send)
-    return rows, experts
+    b, g, s, d = x.shape
+    blocks = x.view(b, g, n, s // n, d).permute(2, 1, 0, 3, 4).reshape(n * g, b, s // n, d)  # chunk-major
+    return ep.all_to_all(blocks, [g] * n, [g] * n, None).transpose(0, 1)
