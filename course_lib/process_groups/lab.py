@@ -24,3 +24,105 @@ def draw_rank_grid(nnodes: int, nproc_per_node: int) -> None:
     ax.set_xlabel("LOCAL_RANK (GPU index)")
     ax.set_title(f"global RANK, WORLD_SIZE = {nnodes * nproc_per_node}")
     plt.show()
+
+
+def draw_rendezvous(world_size: int) -> None:
+    """Section 2's two steps: every rank writes its note to the store and reads its right neighbour's (left);
+    then init_process_group connects the backend, rank to rank (right)."""
+    import matplotlib.pyplot as plt
+
+    n = world_size
+    fig, (ax_store, ax_backend) = plt.subplots(1, 2, figsize=(9, 2.6))
+    xs = [(r + 0.5) / n for r in range(n)]
+    ax_store.text(
+        0.5,
+        0.85,
+        "store (TCPStore)\nMASTER_ADDR:MASTER_PORT",
+        ha="center",
+        va="center",
+        fontsize=8,
+        bbox=dict(boxstyle="round", facecolor="khaki"),
+    )
+    for r, x in enumerate(xs):
+        ax_store.text(
+            x,
+            0.12,
+            f"rank {r}",
+            ha="center",
+            va="center",
+            fontsize=8,
+            bbox=dict(boxstyle="round", facecolor="lightblue"),
+        )
+        ax_store.annotate("", (0.5 + (x - 0.5) * 0.4, 0.72), (x - 0.02, 0.22), arrowprops=dict(arrowstyle="->"))
+        ax_store.annotate(
+            "",
+            (x + 0.02, 0.22),
+            (0.5 + (x - 0.5) * 0.4 + 0.02, 0.72),
+            arrowprops=dict(arrowstyle="->", color="tab:green"),
+        )
+        ax_store.text(x, 0.0, f"set note/{r}\nget note/{(r + 1) % n}", ha="center", va="top", fontsize=7)
+    ax_store.set_title("1. rendezvous: the ranks meet at the store", fontsize=9)
+    for r, x in enumerate(xs):  # the backend: a connection between every pair (gloo: TCP; NCCL: NVLink, IB)
+        ax_backend.text(
+            x,
+            0.5 + 0.3 * (-1) ** r,
+            f"rank {r}",
+            ha="center",
+            va="center",
+            fontsize=8,
+            bbox=dict(boxstyle="round", facecolor="lightblue"),
+            zorder=2,
+        )
+        for s in range(r + 1, n):
+            ax_backend.plot([x, xs[s]], [0.5 + 0.3 * (-1) ** r, 0.5 + 0.3 * (-1) ** s], color="gray", zorder=1)
+    ax_backend.set_title("2. init_process_group: the backend links the ranks", fontsize=9)
+    for ax in (ax_store, ax_backend):
+        ax.set_xlim(0, 1)
+        ax.set_ylim(-0.15, 1)
+        ax.axis("off")
+    plt.show()
+
+
+def draw_mesh(dp: int, tp: int, names: tuple[str, str] = ("dp", "tp")) -> None:
+    """A dp x tp grid of ranks, laid out row by row as init_device_mesh does: each row is one group along
+    names[1] (mesh["tp"]), each column one group along names[0] (mesh["dp"])."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(2.4 + 1.3 * tp, 0.8 + 0.9 * dp))
+    for i in range(dp):
+        y = dp - 1 - i
+        ax.add_patch(plt.Rectangle((-0.05, y + 0.05), tp - 0.1, 0.9, fill=False, edgecolor="tab:red", lw=1.5))
+        ax.text(
+            tp - 0.05,
+            y + 0.5,
+            f" {names[1]} group {[i * tp + j for j in range(tp)]}",
+            va="center",
+            fontsize=8,
+            color="tab:red",
+        )
+        for j in range(tp):
+            ax.text(
+                j + 0.45,
+                y + 0.5,
+                f"rank {i * tp + j}",
+                ha="center",
+                va="center",
+                fontsize=9,
+                bbox=dict(boxstyle="round", facecolor="lightblue"),
+            )
+    for j in range(tp):
+        ax.add_patch(plt.Rectangle((j + 0.02, -0.02), 0.86, dp + 0.04, fill=False, edgecolor="tab:blue", ls="--"))
+        ax.text(
+            j + 0.45,
+            -0.12,
+            f"{names[0]} group\n{[i * tp + j for i in range(dp)]}",
+            ha="center",
+            va="top",
+            fontsize=8,
+            color="tab:blue",
+        )
+    ax.set_xlim(-0.1, tp + 1.4)
+    ax.set_ylim(-0.7, dp + 0.1)
+    ax.axis("off")
+    ax.set_title(f"{names[0]} x {names[1]} = {dp} x {tp}: rank = {tp} {names[0]} + {names[1]}", fontsize=9)
+    plt.show()
