@@ -19,6 +19,7 @@ from course_lib.context_parallel.lab import (
     LINKS,
     draw_cp_explorer,
     draw_layouts,
+    draw_online_softmax,
     draw_ring_steps,
     draw_step_times,
     draw_ulysses_layout,

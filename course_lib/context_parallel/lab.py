@@ -229,3 +229,29 @@ def draw_ulysses_layout(world_size: int, heads: int = 12) -> None:
     fig.legend(handles, [f"rank {r}" for r in range(n)], loc="lower center", ncol=min(n, 8))
     plt.tight_layout(rect=(0, 0.1, 1, 1))
     plt.show()
+
+
+def draw_online_softmax(scores: Sequence[float], split: int) -> None:
+    """One query's attention weights over its keys: each block's softmax alone, and the same weights rescaled by
+    exp(lse_block - lse), which is the softmax over all keys."""
+    import matplotlib.pyplot as plt
+
+    s = torch.tensor(scores, dtype=torch.float64)
+    blocks = [s[:split], s[split:]]
+    lse = torch.logsumexp(s, 0)
+    keys = [torch.arange(split), torch.arange(split, len(s))]
+    fig, (alone, merged) = plt.subplots(1, 2, figsize=(9, 2.6), sharey=True)
+    for i, (block, where) in enumerate(zip(blocks, keys)):
+        block_lse = torch.logsumexp(block, 0)
+        alone.bar(where, torch.softmax(block, 0), color=f"C{i}", label=f"block {i}: its own softmax")
+        weight = float(torch.exp(block_lse - lse))
+        merged.bar(where, torch.softmax(block, 0) * weight, color=f"C{i}", label=f"block {i} × {weight:.2f}")
+    merged.plot(range(len(s)), torch.softmax(s, 0), "k_", markersize=14, label="softmax over all keys")
+    alone.set(xlabel="key", ylabel="weight")
+    alone.set_title("each block's own softmax", fontsize=9)
+    merged.set(xlabel="key")
+    merged.set_title("each × exp(lse_block - lse) = the softmax over all keys", fontsize=9)
+    for ax in (alone, merged):
+        ax.legend(fontsize=7)
+    plt.tight_layout()
+    plt.show()

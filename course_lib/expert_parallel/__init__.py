@@ -16,6 +16,7 @@ from course_lib.expert_parallel.lab import (
     all_to_all_bytes_bound,
     balanced_batch,
     draw_dispatch,
+    draw_ep_dp_mesh,
     draw_ep_explorer,
     draw_load_balance,
     draw_tokens_per_expert,

@@ -153,7 +153,7 @@ def draw_dispatch(send_splits: Sequence[Sequence[int]]) -> None:
     n = len(rows)
     fig, axes = plt.subplots(1, 2, figsize=(2.0 * n + 3.5, 1.0 * n + 1.4))
     for ax, (title, matrix) in zip(axes, (("dispatch: tokens", rows), ("combine: outputs", rows.t()))):
-        ax.imshow(matrix.numpy(), cmap="Blues", vmin=0)
+        ax.imshow(matrix.numpy(), cmap="Blues", vmin=0, vmax=2 * int(rows.max()))  # light enough to read the counts
         for i in range(n):
             for j in range(n):
                 stays = " (home)" if i == j else ""
@@ -161,5 +161,27 @@ def draw_dispatch(send_splits: Sequence[Sequence[int]]) -> None:
         ax.set_xticks(range(n), [f"to {j}" for j in range(n)])
         ax.set_yticks(range(n), [f"from {i}" for i in range(n)])
         ax.set_title(f"{title}, rows rank → rank", fontsize=9)
+    plt.tight_layout()
+    plt.show()
+
+
+def draw_ep_dp_mesh(grid: Sequence[Mapping]) -> None:
+    """The (dp, ep) mesh as run: each rank's experts; the all-to-alls run along a row (its ep group), the
+    experts' gradients are summed down a column (its dp group)."""
+    import matplotlib.pyplot as plt
+
+    rows, cols = (1 + max(g["coordinate"][i] for g in grid) for i in (0, 1))
+    fig, ax = plt.subplots(figsize=(2.4 * cols + 1.2, 1.3 * rows + 0.9))
+    for r, g in enumerate(grid):
+        dp, ep = g["coordinate"]
+        ax.add_patch(plt.Rectangle((ep, dp), 0.9, 0.8, color=plt.cm.tab10(ep % 10), alpha=0.35))
+        first, last = g["experts"]
+        ax.text(ep + 0.45, dp + 0.4, f"rank {r}\nexperts {first}-{last}", ha="center", va="center", fontsize=8)
+    for dp in range(rows):
+        ax.annotate("", (cols - 0.1, dp + 0.9), (0, dp + 0.9), arrowprops=dict(arrowstyle="<->", color="C3"))
+    for ep in range(cols):
+        ax.annotate("", (ep + 0.95, rows - 0.2), (ep + 0.95, 0), arrowprops=dict(arrowstyle="<->", color="C2"))
+    ax.set(xlim=(-0.1, cols + 0.1), ylim=(rows + 0.1, -0.1), xticks=[], yticks=[])
+    ax.set_title("red: all-to-all inside ep (a row); green: expert gradients summed over dp (a column)", fontsize=8)
     plt.tight_layout()
     plt.show()
