@@ -27,7 +27,14 @@ from course_lib.precision.float8 import (
     why_high_precision,
 )
 from course_lib.precision.inspection import inspect_fsdp2_mixed_precision, record_op_dtypes
-from course_lib.precision.lab import draw_float8_layouts, draw_storage, finfo_table, matmul_tflops, special_patterns
+from course_lib.precision.lab import (
+    draw_float8_layouts,
+    draw_policy_stages,
+    draw_storage,
+    finfo_table,
+    matmul_tflops,
+    special_patterns,
+)
 from course_lib.precision.loss_scaler import DynamicLossScaler, found_inf_across_ranks
 from course_lib.precision.number_formats import (
     DTYPE_NAMES,

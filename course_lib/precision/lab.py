@@ -138,3 +138,26 @@ def draw_float8_layouts() -> None:
     axes[0].set_title("float8 bit layouts: sign (red) | exponent (blue) | mantissa (green)", fontsize=9, loc="left")
     plt.tight_layout()
     plt.show()
+
+
+def draw_policy_stages(policies: dict[str, dict]) -> None:
+    """One row per MixedPrecisionPolicy: the dtype at each stage of a step (inspect_fsdp2_mixed_precision), in order
+    from the fp32 shard to the gradient shard, fp32 in blue and bf16 in orange."""
+    import matplotlib.pyplot as plt
+
+    stages = ["sharded parameter", "all_gather input", "gathered weight", "layer input", "layer output"]
+    stages += ["reduce_scatter input", "sharded gradient"]
+    fig, ax = plt.subplots(figsize=(12, 0.9 + 0.8 * len(policies)))
+    for row, (name, seen) in enumerate(policies.items()):
+        for col, stage in enumerate(stages):
+            dtype = "".join(seen[stage]) if isinstance(seen[stage], list) else seen[stage]
+            ax.add_patch(plt.Rectangle((col * 1.5, -row), 1.2, 0.6, color="C0" if dtype == "fp32" else "C1", alpha=0.4))
+            ax.text(col * 1.5 + 0.6, -row + 0.3, dtype, ha="center", va="center")
+        ax.text(-0.2, -row + 0.3, name, ha="right", va="center", fontsize=9)
+    for col, stage in enumerate(stages):
+        ax.text(col * 1.5 + 0.6, 0.75, stage, ha="center", fontsize=8)
+    ax.set_xlim(-3.5, len(stages) * 1.5 - 0.2)
+    ax.set_ylim(-len(policies) + 0.9, 0.95)
+    ax.axis("off")
+    plt.tight_layout()
+    plt.show()
