@@ -29,6 +29,7 @@ from course_lib.precision.float8 import (
 from course_lib.precision.inspection import inspect_fsdp2_mixed_precision, record_op_dtypes
 from course_lib.precision.lab import (
     draw_float8_layouts,
+    draw_op_dtypes,
     draw_policy_stages,
     draw_storage,
     finfo_table,

@@ -161,3 +161,24 @@ def draw_policy_stages(policies: dict[str, dict]) -> None:
     ax.axis("off")
     plt.tight_layout()
     plt.show()
+
+
+def draw_op_dtypes(ops: list[tuple[str, tuple[str, ...], str]], title: str) -> None:
+    """The ops of one forward under autocast (record_op_dtypes), in order, each coloured by the dtype it outputs:
+    where autocast casts down (`_to_copy` to bf16/fp16) and where it keeps fp32."""
+    import matplotlib.pyplot as plt
+
+    colours = {"fp32": "C0", "bf16": "C1", "fp16": "C2"}
+    fig, ax = plt.subplots(figsize=(12, 1.6))
+    for i, (op, _, output) in enumerate(ops):
+        ax.add_patch(plt.Rectangle((i, 0), 0.9, 1, color=colours.get(output, "0.7"), alpha=0.45))
+        ax.text(i + 0.45, 0.5, op, rotation=90, ha="center", va="center", fontsize=8)
+    for dtype, colour in colours.items():
+        ax.bar(0, 0, color=colour, alpha=0.45, label=f"output {dtype}")
+    ax.set_xlim(0, len(ops))
+    ax.set_ylim(0, 1)
+    ax.axis("off")
+    ax.legend(fontsize=8, ncol=3, loc="upper center", bbox_to_anchor=(0.5, 0.0))
+    ax.set_title(title, fontsize=9)
+    plt.tight_layout()
+    plt.show()
