@@ -25,7 +25,6 @@ from course_lib.collectives.lab import (
     draw_before_after,
     draw_bytes_per_rank,
     draw_deadlock,
-    draw_holdings,
     draw_ring_step,
     example_data,
     format_table,
