@@ -32,12 +32,14 @@ def test_zero_stages_equal_single_process_and_fully_shard(nproc):
         if rank:  # rank 0's chunk is right on rank 0
             assert messages["reduce_rank0_chunk"].startswith("gradient of shape"), messages
         assert "return this rank's flat 1-D chunk" in messages["reduce_not_flat"], messages
-        for shortcut in ("reduce_all_then_slice", "reduce_gather_then_sum"):  # right numbers, too many bytes
+        # right numbers, too many bytes: all-reduce or all-gather everything, or reduce everything to each rank
+        for shortcut in ("reduce_all_then_slice", "reduce_gather_then_sum", "reduce_to_each_rank"):
             assert re.fullmatch(
                 rf"gradient of shape {re.escape(str((4 * nproc, 3)))}: right numbers, but this rank sent [\d,]+ bytes "
                 r"of a [\d,]+-byte gradient where a reduce-scatter sends [\d,]+\. .*ZeRO-2 reduce-scatters.*",
                 messages[shortcut],
             ), messages[shortcut]
+        assert "dist.reduce of the whole gradient to each rank" in messages["reduce_to_each_rank"]
     per_rank = [r["wrong_failed"] for r in results]
     assert set(per_rank[0]) == {
         "torch.chunk (ceil-sized chunks)",
@@ -79,9 +81,9 @@ def test_hsdp_prediction_accepts_the_formula_and_rejects_typical_mistakes(capsys
 
     from course_lib.exercises import check_prediction
 
-    P = 658_688  # the notebook's WIDE MLP in bytes
+    P = 658_688  # the notebook's WIDE MLP in bytes (P_WIDE)
     path = Path(__file__).resolve().parents[1] / "notebooks" / "solutions" / "03_fsdp2.py"
-    predicted = runpy.run_path(str(path), init_globals={"P": P})["predicted_hsdp_bytes"]
+    predicted = runpy.run_path(str(path), init_globals={"P_WIDE": P})["predicted_hsdp_bytes"]
     assert check_prediction("HSDP bytes", predicted, 2 * P, rtol=0.05) is True
     # FSDP over all 4 ranks, DDP's all-reduce, forgetting the replicate all-reduce, all-reducing the full model
     for wrong in (3 * 3 / 4 * P, 2 * 3 / 4 * P, 1.5 * P, 2.5 * P, 3 * P):

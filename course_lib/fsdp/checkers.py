@@ -64,9 +64,9 @@ def check_reduce_gradient(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
     gradient is its own (seeded by rank), so no rank can compute the answer without the others; sizes
     that divide by N come first (a wrong cut gives wrong numbers there), then sizes that do not.
 
-    A right answer must also send no more than a reduce-scatter: the calls are recorded, and all-reducing
-    (or all-gathering) the whole gradient to keep one chunk, DDP's traffic, is refused. The cap is halfway
-    between a ring reduce-scatter's (N-1)/N and an all-reduce's 2(N-1)/N of the gradient's bytes, so a
+    A right answer must also send no more than a reduce-scatter: the calls are recorded, and all-reducing (or
+    all-gathering, or dist.reduce-ing to each rank in turn) the whole gradient to keep one chunk is refused. The cap
+    is halfway between a ring reduce-scatter's (N-1)/N and an all-reduce's 2(N-1)/N of the gradient's bytes, so a
     ring of uneven chunks passes."""
     rank, n = dist.get_rank(), dist.get_world_size()
     for shape in [(4 * n, 3), (2 * n, 5), (2 * n + 1,), (5, 2 * n + 1)]:
@@ -86,7 +86,7 @@ def check_reduce_gradient(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
                 )
             what = f"gradient of shape {shape} on {n} ranks, this rank's chunk of the average"
             expect_equal(what, got, expected, atol=1e-5)
-            _expect_reduce_scatter_traffic(shape, recorder.sent_bytes(comms.RING), mine.numel() * mine.element_size())
+            _expect_reduce_scatter_traffic(shape, recorder, mine.numel() * mine.element_size())
         except ExerciseFailed as wrong:
             failure = wrong
         # every rank stops at the same shape: a rank that went on alone would wait for the others forever
@@ -98,12 +98,18 @@ def check_reduce_gradient(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
             raise ExerciseFailed(f"gradient of shape {shape}: right on this rank, wrong on another")
 
 
-def _expect_reduce_scatter_traffic(shape: tuple[int, ...], sent: float, nbytes: int) -> None:
-    n = dist.get_world_size()
+def _expect_reduce_scatter_traffic(shape: tuple[int, ...], recorder: comms.Recorder, nbytes: int) -> None:
+    n, sent = dist.get_world_size(), recorder.sent_bytes(comms.RING)
     reduce_scatter = comms.RING["reduce_scatter"](n) * nbytes
     if sent > 1.5 * reduce_scatter:
+        why = (
+            "dist.reduce of the whole gradient to each rank in turn sends all of it once per rank, where each rank "
+            "needs only its chunk's sum"
+            if recorder.counts().get("reduce")
+            else "Reducing the whole gradient and keeping one chunk is DDP's traffic"
+        )
         raise ExerciseFailed(
             f"gradient of shape {shape}: right numbers, but this rank sent {sent:,.0f} bytes of a {nbytes:,}-byte "
-            f"gradient where a reduce-scatter sends {reduce_scatter:,.0f}. Reducing the whole gradient and keeping "
-            "one chunk is DDP's traffic; ZeRO-2 reduce-scatters, so each rank receives only its own chunk's sum"
+            f"gradient where a reduce-scatter sends {reduce_scatter:,.0f}. {why}; ZeRO-2 reduce-scatters, so each "
+            "rank receives only its own chunk's sum"
         )

@@ -4,8 +4,8 @@
 
 # Exercise 1 (predict): HSDP's bytes sent per rank per step on the 2 x 2 mesh, ring collectives.
 # Shard group of s = 2: all-gather twice (forward, backward) and reduce-scatter once, (s-1)/s x P each;
-# replicate group of r = 2: all-reduce of this rank's P/s gradient shard, 2(r-1)/r x P/s.
-predicted_hsdp_bytes = 3 * (2 - 1) / 2 * P + 2 * (2 - 1) / 2 * P / 2  # = 2 P  # noqa: F821 (P: the notebook's)
+# replicate group of r = 2: all-reduce of this rank's P/s gradient shard, 2(r-1)/r x P/s. In all 2 P.
+predicted_hsdp_bytes = 3 * (2 - 1) / 2 * P_WIDE + 2 * (2 - 1) / 2 * P_WIDE / 2  # noqa: F821 (the notebook's P_WIDE)
 
 
 # Exercise 2 (implement): this rank's flat tensor_split chunk of a parameter and of its Adam state.

@@ -20,12 +20,12 @@ OPTIMIZERS: dict[str, tuple[Callable, float | None, int]] = {  # name: (make, cl
 
 
 def _solutions() -> dict:
-    """notebooks/solutions/03_fsdp2.py's functions (the prediction needs the notebook's P)."""
+    """notebooks/solutions/03_fsdp2.py's functions (the prediction needs the notebook's P_WIDE)."""
     import runpy
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[2] / "notebooks" / "solutions" / "03_fsdp2.py"
-    return runpy.run_path(str(path), init_globals={"P": 1.0})
+    return runpy.run_path(str(path), init_globals={"P_WIDE": 1.0})
 
 
 def equality(rank: int, world_size: int) -> dict:
@@ -136,7 +136,7 @@ def equality(rank: int, world_size: int) -> dict:
             wrong_failed[what] = True
     reduce_messages = {}
     wrong_numbers = (reduce_own_chunk, reduce_local_only, reduce_sum_not_mean, reduce_rank0_chunk, reduce_not_flat)
-    for fn in (*wrong_numbers, reduce_all_then_slice, reduce_gather_then_sum):
+    for fn in (*wrong_numbers, reduce_all_then_slice, reduce_gather_then_sum, reduce_to_each_rank):
         try:
             fsdp.check_reduce_gradient(fn)
             reduce_messages[fn.__name__] = "passed"
@@ -191,3 +191,13 @@ def reduce_gather_then_sum(full_grad: torch.Tensor) -> torch.Tensor:  # every ra
     dist.all_gather(everyone, full_grad.contiguous())
     mean = torch.stack(everyone).mean(0).reshape(-1)
     return torch.tensor_split(mean, dist.get_world_size())[dist.get_rank()]
+
+
+def reduce_to_each_rank(full_grad: torch.Tensor) -> torch.Tensor:  # N reduces of the whole gradient, one per rank
+    n, rank = dist.get_world_size(), dist.get_rank()
+    for root in range(n):
+        total = full_grad.reshape(-1).clone()
+        dist.reduce(total, dst=root)
+        if root == rank:
+            mine = torch.tensor_split(total / n, n)[rank].clone()
+    return mine
