@@ -191,7 +191,7 @@ def test_kill_and_resume_is_bitwise_equal_to_uninterrupted(tmp_path, nproc):
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step_12", "step_4", "step_8"]
 
 
-SOLUTIONS = runpy.run_path(str(Path(__file__).resolve().parents[1] / "notebooks" / "solutions" / "06_checkpointing.py"))
+SOLUTIONS = rank_programs.solutions()
 
 
 # ---- exercise 2: verify a checkpoint together, each rank its share ---------------------------------------------
@@ -313,7 +313,7 @@ VERIFY_TOGETHER_WRONG = {
 
 @pytest.mark.parametrize("nproc", world_sizes(2, 3))
 def test_verify_together_checker_rejects_each_shortcut(nproc):
-    assert_checker(ck.check_verify_together, SOLUTIONS["verify_together"], VERIFY_TOGETHER_WRONG, nproc=nproc)
+    assert_checker(ck.check_verify_together, rank_programs.verify_together, VERIFY_TOGETHER_WRONG, nproc=nproc)
 
 
 def test_verify_together_check_on_ranks(capsys):
@@ -328,19 +328,59 @@ def test_verify_together_check_on_ranks(capsys):
     )
 
 
-def test_resume_exercise_checker_on_ranks():
-    verdicts = run(rank_programs.resume_verdicts, 3, timeout=240)
-    for rank, got in enumerate(verdicts):
-        assert got["resume_step"] == "passed", (rank, got)
-    anywhere = {name: [v[name] for v in verdicts if v[name] != "passed"] for name in verdicts[0]}
-    # each wrong answer is rejected on at least one rank, with the case that exposes it
-    assert re.fullmatch(
-        r"case 'rank 0 sees step_\d+ committed, the others do not yet': returned step 4, rank 0 resumes from step \d+",
-        anywhere["resume_alone"][0],
-    ), anywhere
-    assert anywhere["resume_newest_anyone_has"][0].startswith("case 'rank 0's step_"), anywhere
-    assert "rank 0 resumes from step 2" in anywhere["resume_newest_anyone_has"][0]
-    assert anywhere["resume_oldest_everyone_has"][0].startswith("case 'rank 0 sees step_"), anywhere
+# ---- exercise 3: the newest complete checkpoint -----------------------------------------------------------------
+
+
+def newest_by_name(root):  # the broken program of the exercise
+    from pathlib import Path
+
+    newest = sorted(Path(root).glob("step_*"))[-1:]
+    return int(newest[0].name.removeprefix("step_")) if newest else None
+
+
+def newest_with_the_library(root):  # the shortcut: the library's own answer
+    from course_lib import checkpoint
+
+    found, _ = checkpoint.latest_complete(root)
+    return None if found is None else int(found.name.removeprefix("step_"))
+
+
+def newest_by_number_with_tmp(root):  # numbers, but a .tmp save counts
+    import re
+    from pathlib import Path
+
+    steps = [int(m.group(1)) for p in Path(root).iterdir() if (m := re.match(r"step_(\d+)", p.name))]
+    return max(steps, default=None)
+
+
+def newest_committed_unverified(root):  # numbers and commits, but a truncated file goes unnoticed
+    import re
+    from pathlib import Path
+
+    steps = [int(m.group(1)) for p in Path(root).iterdir() if (m := re.fullmatch(r"step_(\d+)", p.name))]
+    return max(steps, default=None)
+
+
+def newest_complete_step_stub(root):
+    raise NotImplementedError  # your code here
+
+
+NEWEST_COMPLETE_WRONG = {
+    newest_by_name: re.compile(r"case 'steps \[\d, \d, \d+, \d+\]: step_\d sorts last by name': returned \d,"),
+    newest_with_the_library: "your function calls checkpoint.latest_complete, the library's answer",
+    newest_by_number_with_tmp: re.compile(r"case 'step_(\d+)\.tmp never renamed': returned \1, the newest complete"),
+    newest_committed_unverified: re.compile(r"case 'step_(\d+)/shard_1\.bin truncated': returned \1"),
+}
+
+
+def test_newest_complete_step_checker_rejects_each_shortcut():
+    assert_checker(
+        ck.check_newest_complete_step,
+        rank_programs.newest_complete_step,
+        NEWEST_COMPLETE_WRONG,
+        nproc=2,
+        stub=newest_complete_step_stub,
+    )
 
 
 @pytest.mark.parametrize("saved, loading", [(2, 3), (3, 2), (4, 2)])
@@ -351,8 +391,9 @@ def test_prediction_of_bytes_read_per_loading_rank(saved, loading, capsys):
     parameters = sum(p.numel() for p in MLP().parameters())
     spans = [ck.shard_rows(p.shape[0], loading, 0) for p in MLP().parameters()]
     measured = 3 * sum((stop - start) * p[0].numel() * 4 for (start, stop), p in zip(spans, MLP().parameters()))
-    predict = SOLUTIONS["predicted_row_bytes"]
-    assert check_prediction("rows", predict(parameters, loading), measured, rtol=0.05) is True
+    notebook = {"parameters": parameters, "LOAD_NPROC": loading}  # the names above the prompt
+    predicted = runpy.run_path(str(rank_programs.SOLUTIONS), init_globals=notebook)["predicted_row_bytes"]
+    assert check_prediction("rows", predicted, measured, rtol=0.05) is True
     for wrong in (12 * parameters / saved, 4 * parameters / loading, 12 * parameters):
         assert check_prediction("rows", wrong, measured, rtol=0.05) is False, wrong
     assert "too" in capsys.readouterr().out
@@ -527,3 +568,12 @@ def test_safetensors_round_trip_and_into_another_world_size(tmp_path):
         ]
         assert [r["shards"][name] for r in started] == expected, name
     assert sum(expected) == whole
+
+
+def test_async_saves_reuse_one_writer(tmp_path):
+    """The staging cache (pinned memory on GPUs) lives on the writer: one writer serves every save, each save names
+    its directory with checkpoint_id, and both saves commit."""
+    results = run(rank_programs.two_async_saves, 2, kwargs={"root": str(tmp_path / "async")})
+    assert [r["writers"] for r in results] == [1, 1], results
+    assert [r["committed"] for r in results] == [["step_1", "step_2"]] * 2
+    assert [r["step"] for r in results] == [2, 2]

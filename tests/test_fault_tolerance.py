@@ -1,19 +1,23 @@
-"""torchft (notebook 06, sections 11 and 12): replica groups that keep training when one dies; LocalSGD and DiLoCo.
+"""torchft (notebook 07, sections 3 and 4): replica groups that keep training when one dies; LocalSGD and DiLoCo.
 
 Each replica group is a one-rank torchrun run started by the elastic run's machinery (checkpoint/lab.py); the
 lighthouse runs in this process. Every test also checks that no process of its runs is left. The kill-and-heal run
-itself is asserted in notebook 06 (section 11), step by step; its elastic counterpart (a node joins, a node leaves)
-in section 10.
+itself is asserted in notebook 07 (section 3), step by step; its elastic counterpart (a node joins, a node leaves)
+in section 2. Then the checkers of notebook 07's exercises, against their solutions and named wrong answers.
 """
 
 from __future__ import annotations
 
+import re
 from fractions import Fraction
 
 import pytest
 
 from course_lib import checkpoint as ck
+from course_lib import fault_tolerance as ft
 from course_lib.models import MLP
+from tests.rank_programs import assert_checker, run, world_sizes
+from tests.rank_programs import fault_tolerance as ft_programs
 
 
 def test_a_torchft_run_ends_every_process_at_its_timeout(tmp_path):
@@ -70,3 +74,121 @@ def test_replicas_wait_for_what_the_lighthouse_has_received():
             wait_at_lighthouse(address, "a replica asking to join", lambda asking, _: asking >= 1, 0.3)
     finally:
         server.shutdown()
+
+
+# ---- the exercises of notebook 07 ------------------------------------------------------------------------------
+
+
+def test_prediction_of_localsgd_bytes_per_step(capsys):
+    """Exercise 1: 4P/8 per step for LocalSGD with H = 8; DDP's 4P, H = 4's, Adam's 12P/8 and a ring's 2(R-1)/R fail."""
+    import runpy
+
+    from course_lib.exercises import check_prediction
+
+    parameters = sum(p.numel() for p in MLP().parameters())
+    measured = 4 * parameters / 8  # what compare_sync counts (test above: exactly 1/H of DDP's 4P)
+    predicted = runpy.run_path(str(ft_programs.SOLUTIONS), init_globals={"parameters": parameters})
+    assert check_prediction("bytes", predicted["predicted_sync_bytes"], measured) is True
+    for wrong in (4 * parameters, 4 * parameters / 4, 12 * parameters / 8, 2 * (2 - 1) / 2 * 4 * parameters):
+        assert check_prediction("bytes", wrong, measured) is False, wrong
+    assert "too high" in capsys.readouterr().out
+
+
+def averages_the_weights(model, anchor, outer_optimizer):  # LocalSGD: right only with outer SGD at lr 1
+    import torch
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for p, a in zip(model.parameters(), anchor):
+            dist.all_reduce(p)
+            p /= dist.get_world_size()
+            a.copy_(p)
+
+
+def gathers_every_replica(model, anchor, outer_optimizer):  # the right numbers, W times the bytes
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    for p, a in zip(model.parameters(), anchor):
+        replicas = [torch.empty_like(p) for _ in range(world)]
+        dist.all_gather(replicas, p.detach().contiguous())
+        a.grad = a.detach() - sum(replicas) / world
+    outer_optimizer.step()
+    with torch.no_grad():
+        for p, a in zip(model.parameters(), anchor):
+            p.copy_(a)
+
+
+def own_pseudo_gradient(model, anchor, outer_optimizer):  # no average: each replica steps alone
+    import torch
+
+    for p, a in zip(model.parameters(), anchor):
+        a.grad = a.detach() - p.detach()
+    outer_optimizer.step()
+    with torch.no_grad():
+        for p, a in zip(model.parameters(), anchor):
+            p.copy_(a)
+
+
+def summed_pseudo_gradient(model, anchor, outer_optimizer):  # all-reduced, but not divided by W
+    import torch
+    import torch.distributed as dist
+
+    for p, a in zip(model.parameters(), anchor):
+        delta = a.detach() - p.detach()
+        dist.all_reduce(delta)
+        a.grad = delta
+    outer_optimizer.step()
+    with torch.no_grad():
+        for p, a in zip(model.parameters(), anchor):
+            p.copy_(a)
+
+
+def forgets_the_model(model, anchor, outer_optimizer):  # the anchor steps, the model keeps its drifted weights
+    import torch.distributed as dist
+
+    for p, a in zip(model.parameters(), anchor):
+        delta = a.detach() - p.detach()
+        dist.all_reduce(delta)
+        a.grad = delta / dist.get_world_size()
+    outer_optimizer.step()
+
+
+def diloco_outer_step_stub(model, anchor, outer_optimizer):
+    raise NotImplementedError  # your code here
+
+
+DILOCO_WRONG = {
+    averages_the_weights: "the anchor is the replicas' average weights: that is LocalSGD",
+    gathers_every_replica: re.compile(r"round 1: your function sent [\d,]+ B in all_gather \(10 calls\); DiLoCo sends"),
+    own_pseudo_gradient: "made no collective call: each replica stepped on its own pseudo-gradient",
+    summed_pseudo_gradient: "round 1: the anchor differs from the outer optimizer's step on the mean pseudo-gradient",
+    forgets_the_model: "round 1: the anchor is right, but the model's weights are not",
+}
+
+
+@pytest.mark.parametrize("nproc", world_sizes(2, 3))
+def test_diloco_outer_step_checker_rejects_each_shortcut(nproc):
+    assert_checker(
+        ft.check_diloco_outer_step,
+        ft_programs.diloco_outer_step,
+        DILOCO_WRONG,
+        nproc=nproc,
+        stub=diloco_outer_step_stub,
+    )
+
+
+def test_resume_exercise_checker_on_ranks():
+    verdicts = run(ft_programs.resume_verdicts, 3, timeout=240)
+    for rank, got in enumerate(verdicts):
+        assert got["resume_step"] == "passed", (rank, got)
+    anywhere = {name: [v[name] for v in verdicts if v[name] != "passed"] for name in verdicts[0]}
+    # each wrong answer is rejected on at least one rank, with the case that exposes it
+    assert re.fullmatch(
+        r"case 'rank 0 sees step_\d+ committed, the others do not yet': returned step 4, rank 0 resumes from step \d+",
+        anywhere["resume_alone"][0],
+    ), anywhere
+    assert anywhere["resume_newest_anyone_has"][0].startswith("case 'rank 0's step_"), anywhere
+    assert "rank 0 resumes from step 2" in anywhere["resume_newest_anyone_has"][0]
+    assert anywhere["resume_oldest_everyone_has"][0].startswith("case 'rank 0 sees step_"), anywhere

@@ -19,14 +19,14 @@ Three ways to save an FSDP2-sharded training state, from the simplest to what la
                 run's loss curve, who reads which rows at another world size
     hf          out to Hugging Face safetensors through DCP (one consolidated file) and back into any layout;
                 a seed checkpoint (meta-device model, then load) next to broadcast from rank 0
-    checkers    the exercises: verify a checkpoint together (each rank its share); agree on the resume step
+    checkers    the exercises: verify a checkpoint together (each rank its share); the newest complete checkpoint
 """
 
 from course_lib.checkpoint.atomic import METADATA, CheckpointError
-from course_lib.checkpoint.checkers import check_agreed_resume_step, check_verify_together
+from course_lib.checkpoint.checkers import check_newest_complete_step, check_verify_together
 from course_lib.checkpoint.dcp import AppState, AsyncCheckpointer, dcp_load, dcp_save
 from course_lib.checkpoint.elastic_train import train_elastic
-from course_lib.checkpoint.fault_tolerance import reference_losses, step_losses, train_replica
+from course_lib.checkpoint.fault_tolerance import LIGHTHOUSE, reference_losses, step_losses, torchft_step
 from course_lib.checkpoint.hf import (
     CONSOLIDATED,
     empty_sharded_mlp,
@@ -47,12 +47,13 @@ from course_lib.checkpoint.lab import (
     run_torchft,
     segments,
 )
-from course_lib.checkpoint.local_sgd import SYNC_RUNS, train_synced
-from course_lib.checkpoint.raw_rows import bytes_read_by_process, row_bytes
+from course_lib.checkpoint.local_sgd import SYNC_RUNS, synchronised
+from course_lib.checkpoint.raw_rows import bytes_read_by_process, row_bytes, write_rows
 from course_lib.checkpoint.sharded import (
     bytes_to_read,
     flat_tensors,
     load_sharded,
+    read_my_rows,
     read_plan,
     save_sharded,
     shard_rows,

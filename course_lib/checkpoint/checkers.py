@@ -1,4 +1,5 @@
-"""Notebook 06's exercise checkers: verify one checkpoint together, each rank reading its share; agree on the step.
+"""Notebook 06's exercise checkers: verify one checkpoint together, each rank reading its share; resume from the
+newest complete checkpoint.
 
 The solutions are in notebooks/solutions/06_checkpointing.py; the expected answers are
 built into each case's directories.
@@ -18,13 +19,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from course_lib import comms
 from course_lib.checkpoint.atomic import FORMAT, METADATA, OBJECTS
 from course_lib.checkpoint.integrity import latest_complete, verify
-from course_lib.checkpoint.sharded import save_sharded
 from course_lib.exercises import ExerciseFailed, calls_into
 
 # ---- exercise 2: verify one checkpoint together, each rank reading only its share -------------------------------
@@ -193,61 +192,45 @@ def _judge_verify(
     return None
 
 
-def _resume_views(base: Path, rank: int, world_size: int) -> list[tuple[str, Path, int | None]]:
-    """Per case: this rank's view of the checkpoint directory, and the step rank 0's view resumes from.
-
-    Each node sees the shared directory with a lag, or has its own disk: rank 0's newest complete
-    checkpoint (a random step, drawn on rank 0) is missing, uncommitted or truncated in the other ranks' views.
-    """
-
-    def save(root: Path, step: int) -> Path:
-        return save_sharded(root, step, {"weights": torch.arange(4.0) + step, "step": step}, no_dist=True)
-
-    drawn = [random.Random().randrange(6, 60, 2) if rank == 0 else None]
-    dist.broadcast_object_list(drawn)  # the checker's own collective, before the learner's function runs
-    newest = int(drawn[0])  # type: ignore[arg-type]
+def _resume_cases(base: Path, draw: random.Random) -> list[tuple[str, Path, int | None]]:
+    """(what, directory, the step to resume from): checkpoints in our format, complete or damaged, whose newest
+    by name is never the answer."""
+    steps = sorted(draw.sample(range(5, 10), 2)) + sorted(draw.sample(range(10, 50), 2))  # 5-9 sort after 10-49
     cases: list[tuple[str, Path, int | None]] = []
-    root = base / "lagging"
-    save(root, 4)
-    if rank == 0:
-        save(root, newest)
-    else:
-        save(root, newest).rename(root / f"step_{newest}.tmp")  # not yet committed in this view
-    cases.append((f"rank 0 sees step_{newest} committed, the others do not yet", root, newest))
-    root = base / "rank0_truncated"
-    for step in (2, newest):
-        save(root, step)
-    if rank == 0:
-        shard = root / f"step_{newest}" / "shard_0.bin"
-        shard.write_bytes(shard.read_bytes()[:-8])
-    cases.append((f"rank 0's step_{newest} is truncated, the others' is fine", root, 2))
-    root = base / "only_others"
-    if rank != 0:
-        save(root, newest)
-    cases.append(("rank 0 sees no checkpoint, the others do", root, None))
+    root = base / "by_number"
+    for step in steps:
+        _write_checkpoint(root / f"step_{step}", draw, 2)
+    cases.append((f"steps {steps}: step_{steps[1]} sorts last by name", root, steps[-1]))
+    root = base / "uncommitted"
+    for step in steps[:3]:
+        _write_checkpoint(root / f"step_{step}", draw, 2)
+    _write_checkpoint(root / f"step_{steps[3]}.tmp", draw, 2)
+    cases.append((f"step_{steps[3]}.tmp never renamed", root, steps[2]))
+    root = base / "truncated"
+    for step in steps:
+        _write_checkpoint(root / f"step_{step}", draw, 2)
+    shard = root / f"step_{steps[3]}" / "shard_1.bin"
+    shard.write_bytes(shard.read_bytes()[:-64])
+    cases.append((f"step_{steps[3]}/shard_1.bin truncated", root, steps[2]))
+    root = base / "nothing_complete"
+    _write_checkpoint(root / f"step_{steps[0]}.tmp", draw, 2)
+    cases.append(("only an uncommitted save", root, None))
     return cases
 
 
-def check_agreed_resume_step(resume_step: Callable[[str], Any]) -> None:
-    """Exercise checker: every rank must return the step rank 0's newest complete checkpoint has (or None).
-
-    Each rank gets its own view of the directory (see _resume_views), so a rank that decides alone
-    resumes from another step than rank 0. After each case the ranks agree on whether anyone was wrong,
-    so they stop together.
-    """
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+def check_newest_complete_step(newest_complete_step: Callable[[str], Any]) -> None:
+    """Exercise checker: newest_complete_step(root) must return the step number of the newest complete checkpoint
+    under root (None if there is none), for secret directories where sorting by name, taking a .tmp or a truncated
+    checkpoint each gives another answer. checkpoint.latest_complete, the library's answer, is refused."""
+    seed = random.Random().randrange(2**63)
     with tempfile.TemporaryDirectory() as base:
-        for what, root, expected in _resume_views(Path(base), rank, world_size):
-            wrong = None
-            try:
-                got = resume_step(str(root))
-                if got != expected:
-                    wrong = f"case '{what}': returned step {got!r}, rank 0 resumes from step {expected!r}"
-            except Exception as error:
-                wrong = f"case '{what}': your function raised {type(error).__name__}: {error}"
-            everyone: list[Any] = [None] * world_size
-            dist.all_gather_object(everyone, wrong is not None)
-            if wrong:
-                raise ExerciseFailed(wrong)
-            if any(everyone):
-                return  # another rank's answer was wrong; that rank reports it
+        for what, root, expected in _resume_cases(Path(base), random.Random(seed)):
+            with calls_into({"checkpoint.latest_complete": latest_complete}) as called:
+                got = newest_complete_step(str(root))
+            if called:
+                raise ExerciseFailed(
+                    "your function calls checkpoint.latest_complete, the library's answer to this exercise: choose "
+                    "the step yourself (checkpoint.verify may check each candidate)"
+                )
+            if got != expected:
+                raise ExerciseFailed(f"case '{what}': returned {got!r}, the newest complete checkpoint is {expected!r}")

@@ -87,29 +87,32 @@ def dcp_load(directory: str | os.PathLike, app: AppState) -> None:
 
 
 class AsyncCheckpointer:
-    """dcp.async_save with the two rules that make it safe.
+    """dcp.async_save with the rules that make it safe.
 
-    1. `async_save` returns once the state is *staged* (copied to CPU memory); the files are written by a
-       background thread while training continues. The next save first waits for the previous one: two
-       saves in flight would double the staging memory and could interleave their collectives.
-    2. Only a finished save is committed (renamed). Its collectives run on a separate gloo group, so they
-       never interleave with the training collectives on the default group.
-    On GPUs, `FileSystemWriter(cache_staged_state_dict=True)` keeps one pinned CPU buffer for all saves:
-    faster device-to-host copies and no new allocation per save, at the cost of one copy of the state in RAM.
+    1. `async_save` returns once the state is staged (copied to CPU memory); a background thread writes the files.
+       The next save first waits for the previous one: two in flight would double the staging memory.
+    2. Only a finished save is committed (renamed); its collectives run on a gloo group of their own.
+    3. One writer serves every save (`checkpoint_id=` names each directory): on GPUs its stager keeps one pinned
+       CPU buffer across saves (`cache_staged_state_dict=True`); a new writer per save would pin a new one.
     """
 
     def __init__(self, root: str | os.PathLike) -> None:
+        import torch.distributed.checkpoint as dcp
+
         self.root = Path(root)
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self.pending: tuple[Any, Path, Path] | None = None  # (future, partial, final)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.writer = dcp.FileSystemWriter(self.root, cache_staged_state_dict=torch.cuda.is_available())
 
     def save(self, step: int, app: AppState) -> None:
         import torch.distributed.checkpoint as dcp
 
         self.wait()
         partial, final = _prepare(self.root, step)
-        writer = dcp.FileSystemWriter(partial, cache_staged_state_dict=torch.cuda.is_available())
-        future = dcp.async_save({"app": app}, storage_writer=writer, process_group=self.group)
+        future = dcp.async_save(
+            {"app": app}, checkpoint_id=partial, storage_writer=self.writer, process_group=self.group
+        )
         self.pending = (future, partial, final)
 
     def wait(self) -> None:

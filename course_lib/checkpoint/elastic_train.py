@@ -82,6 +82,27 @@ def reference_losses(total_steps: int, global_batch: int) -> list[float]:
     ]
 
 
+def _resume(checkpoints: Path, app: AppState) -> int | None:
+    """Load the newest complete checkpoint into `app`; the number of ranks that saved it (None: none found)."""
+    found = [latest_complete(checkpoints)[0] if dist.get_rank() == 0 else None]  # one rank decides, all follow
+    dist.broadcast_object_list(found)
+    if found[0] is None:
+        return None
+    dcp_load(found[0], app)
+    return len(list(Path(found[0]).glob("*.distcp")))  # DCP writes one file per saving rank
+
+
+def _reference_once(root: Path, total_steps: int, global_batch: int) -> None:
+    """The uninterrupted run at this world size, once per world size (rank 0 decides: every rank runs it, or none)."""
+    reference = root / f"reference_{dist.get_world_size()}.json"
+    todo = [not reference.exists() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(todo)
+    if todo[0]:
+        losses = reference_losses(total_steps, global_batch)
+        if dist.get_rank() == 0:
+            reference.write_text(json.dumps(losses))
+
+
 def train_elastic(
     root: str | os.PathLike,
     total_steps: int = 12,
@@ -103,12 +124,7 @@ def train_elastic(
     model = sharded_mlp()
     optimizer = make_optimizer(model)
     app = AppState(model, optimizer)
-    found = [latest_complete(root / "checkpoints")[0] if rank == 0 else None]  # one rank decides, all follow
-    dist.broadcast_object_list(found)
-    saved_by = None
-    if found[0] is not None:
-        dcp_load(found[0], app)
-        saved_by = len(list(Path(found[0]).glob("*.distcp")))  # DCP writes one file per saving rank
+    saved_by = _resume(root / "checkpoints", app)  # resharded by DCP to this world size
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     _log(root, {"event": "start", "world": world, "step": app.step, "saved_by": saved_by, "restarts": restarts})
     if app.step in pauses and saved_by == world:
@@ -120,13 +136,7 @@ def train_elastic(
         _log(root, {"event": "step", "world": world, "step": step, "loss": loss})
         if app.step in pauses:
             dcp_save(root / "checkpoints", app.step, app)
-            reference = root / f"reference_{world}.json"
-            todo = [not reference.exists() if rank == 0 else None]
-            dist.broadcast_object_list(todo)  # rank 0 decides: every rank runs the reference, or none
-            if todo[0]:
-                losses = reference_losses(total_steps, global_batch)
-                if rank == 0:
-                    reference.write_text(json.dumps(losses))
+            _reference_once(root, total_steps, global_batch)
             paused = {"event": "pause", "world": world, "step": app.step}
             wait_for_membership_change(timeout_s, partial(_log, root, paused))  # logged once every rank waits
     dist.destroy_process_group()

@@ -117,6 +117,19 @@ def _manager(
     return manager, group, store
 
 
+def torchft_step(manager: Any, ddp: torch.nn.Module, optimizer: Any, data: Any, step: int) -> tuple[Any, int, Any]:
+    """One step of one replica group under torchft; returns (loss, replicas in the quorum, this one's rank there)."""
+    from course_lib.data import batch_for_step
+
+    optimizer.zero_grad()  # asks the lighthouse for this step's quorum
+    participants, rank = manager.num_participants(), manager.participating_rank()  # rank None: healing
+    x, y = batch_for_step(data, step, GLOBAL_BATCH, rank or 0, participants)  # B / |Q| samples each
+    loss = torch.nn.functional.mse_loss(ddp(x), y)
+    loss.backward()  # DDP's hook: manager.allreduce over this step's quorum
+    optimizer.step()  # only if every replica of the quorum says the step succeeded (should_commit)
+    return loss, participants, rank
+
+
 def train_replica(
     root: str | os.PathLike,
     replica: int,
@@ -140,7 +153,7 @@ def train_replica(
     """
     from torchft import DistributedDataParallel, Optimizer
 
-    from course_lib.data import batch_for_step, regression
+    from course_lib.data import regression
     from course_lib.models import MLP
 
     root = Path(root)
@@ -161,12 +174,7 @@ def train_replica(
             raise TimeoutError(f"replica {replica} was not killed within {limit_s:.0f} s")
         if step == wait_for_rejoin_at:  # the newcomer must ask first: see wait_for_rejoin_at above
             wait_at_lighthouse(lighthouse, "a replica asking to join", lambda asking, _: asking >= 1, limit_s)
-        optimizer.zero_grad()  # starts this step's quorum
-        participants, rank = manager.num_participants(), manager.participating_rank()
-        x, y = batch_for_step(data, step, GLOBAL_BATCH, rank or 0, participants)
-        loss = torch.nn.functional.mse_loss(ddp(x), y)
-        loss.backward()  # DDP's hook: manager.allreduce over this step's quorum
-        optimizer.step()  # only if every replica of the quorum commits
+        loss, participants, rank = torchft_step(manager, ddp, optimizer, data, step)
         if manager.current_step() == step + 1 or rank is None:  # committed (a healing replica jumps ahead)
             healed = rank is None
             _log(

@@ -28,6 +28,24 @@ SYNC_RUNS = {
 }
 
 
+def synchronised(
+    method: str, sync_every: int, manager: Any, model: torch.nn.Module, inner: Any
+) -> tuple[Any, Any, Any]:
+    """(the module to call, the optimizer to step, the context to train in) for one method of :data:`SYNC_RUNS`."""
+    from torchft import DistributedDataParallel, Optimizer
+    from torchft.local_sgd import DiLoCo, LocalSGD
+
+    if method == "ddp":  # gradients averaged at every step
+        return DistributedDataParallel(manager, model), Optimizer(manager, inner), contextlib.nullcontext()
+    if method == "local_sgd":  # H steps alone, then the weights averaged
+        return model, inner, LocalSGD(manager, model, inner, sync_every=sync_every)
+    nesterov = method == "diloco_nesterov"  # H steps alone, then the outer optimizer on the mean pseudo-gradient
+    outer = torch.optim.SGD(
+        model.parameters(), lr=0.7 if nesterov else 1.0, momentum=0.9 if nesterov else 0.0, nesterov=nesterov
+    )
+    return model, inner, DiLoCo(manager, [model], inner, outer, sync_every=sync_every, pin_memory=False)
+
+
 def train_synced(
     root: str | os.PathLike,
     replica: int,
@@ -45,9 +63,6 @@ def train_synced(
     (plain SGD with lr 1, or DiLoCo's Nesterov momentum, lr 0.7). Writes ROOT/synced_<r>.json: per run, the payload
     of every all-reduce and, every 8 steps, the loss of the model on the whole data set.
     """
-    from torchft import DistributedDataParallel, Optimizer
-    from torchft.local_sgd import DiLoCo, LocalSGD
-
     from course_lib.data import batch_for_step, regression
     from course_lib.models import MLP
 
@@ -62,19 +77,7 @@ def train_synced(
         manager, group, _store = _manager(lighthouses[name], replica, model, inner, use_async_quorum=method == "ddp")
         # every manager heartbeats before the first quorum, which would otherwise form without the later one
         wait_at_lighthouse(lighthouses[name], f"{replicas} replicas", lambda _, beating: beating >= replicas, limit_s)
-        forward: torch.nn.Module = model
-        optimizer: torch.optim.Optimizer = inner
-        algorithm: Any = contextlib.nullcontext()
-        if method == "ddp":
-            forward, optimizer = DistributedDataParallel(manager, model), Optimizer(manager, inner)
-        elif method == "local_sgd":
-            algorithm = LocalSGD(manager, model, inner, sync_every=sync_every)
-        else:
-            nesterov = method == "diloco_nesterov"
-            outer = torch.optim.SGD(
-                model.parameters(), lr=0.7 if nesterov else 1.0, momentum=0.9 if nesterov else 0.0, nesterov=nesterov
-            )
-            algorithm = DiLoCo(manager, [model], inner, outer, sync_every=sync_every, pin_memory=False)
+        forward, optimizer, algorithm = synchronised(method, sync_every, manager, model, inner)
         losses = []
         with algorithm:
             for step in range(steps):

@@ -180,6 +180,25 @@ def save_sharded(root: str | os.PathLike, step: int, state: dict[str, Any], *, n
     return final
 
 
+def read_my_rows(
+    directory: Path, entry: dict[str, Any], local: torch.Tensor, start: int, stop: int, counter: list[int]
+) -> list[str]:
+    """Fill `local`, this rank's rows [start, stop) of one tensor, from the saved chunks that overlap them; return
+    the files read. A file that holds none of these rows is never opened."""
+    files = []
+    for chunk in entry["chunks"]:  # {"file": "shard_1.bin", "rows": [32, 64], "offset": ..., "crc32": [...]}
+        lo, hi = max(start, chunk["rows"][0]), min(stop, chunk["rows"][1])
+        if lo >= hi:
+            continue
+        rows = read_rows(directory, chunk, entry, lo, hi, counter)  # one seek, one read, a CRC-32 check per row
+        if local.dim() == 0:
+            local.copy_(rows)
+        else:
+            local[lo - start : hi - start].copy_(rows)
+        files.append(chunk["file"])
+    return files
+
+
 @dataclass
 class Loaded:
     """What one rank read: per tensor the files it read rows from, and the bytes it read in all.
@@ -248,17 +267,7 @@ def load_sharded(directory: str | os.PathLike, state: dict[str, Any]) -> Loaded:
         else:
             start, stop = 0, (target.shape[0] if target.dim() else 1)
             local = target
-        files_read[name] = []
-        for chunk in entry["chunks"]:
-            lo, hi = max(start, chunk["rows"][0]), min(stop, chunk["rows"][1])
-            if lo >= hi:
-                continue
-            rows = read_rows(directory, chunk, entry, lo, hi, counter)
-            if target.dim() == 0:
-                local.copy_(rows)
-            else:
-                local[lo - start : hi - start].copy_(rows)
-            files_read[name].append(chunk["file"])
+        files_read[name] = read_my_rows(directory, entry, local, start, stop, counter)
     loaded = _unflatten(flat)
     for key, value in state.items():
         if isinstance(value, Stateful):

@@ -51,6 +51,11 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torc
 # ---- the fault-tolerant loop
 
 
+def _append(log: str | os.PathLike, entry: dict[str, Any]) -> None:
+    with open(log, "a") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
 def train_resumable(
     root: str | os.PathLike,
     total_steps: int,
@@ -63,9 +68,8 @@ def train_resumable(
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, int]:
     """Train `total_steps` steps with a DCP checkpoint every `every` steps, resuming from the newest complete one.
 
-    In the first attempt (TORCHELASTIC_RESTART_COUNT=0), rank `kill_rank` (-1: the last) dies by SIGKILL
-    just before step `kill_at`: a real process death, nothing Python can catch. torchrun then stops the
-    other ranks and restarts the whole group, which resumes here. Rank 0 appends one JSON line per step
+    In the first attempt (TORCHELASTIC_RESTART_COUNT=0), rank `kill_rank` (-1: the last) dies by SIGKILL just
+    before step `kill_at`; torchrun restarts the whole group, which resumes here. Rank 0 logs each step's loss
     to `log`. Returns (model, optimizer, first step of this attempt).
     """
     rank, world_size = _rank_world()
@@ -88,8 +92,7 @@ def train_resumable(
         loss = train_step(model, optimizer, x, y)
         app.step = step + 1
         if rank == 0 and log is not None:
-            with open(log, "a") as f:
-                f.write(json.dumps({"attempt": attempt, "step": step, "loss": loss}) + "\n")
+            _append(log, {"attempt": attempt, "step": step, "loss": loss})
         if app.step % every == 0:
             dcp_save(root, app.step, app)
     return model, optimizer, start

@@ -1,4 +1,4 @@
-"""Rank programs of tests/test_checkpoint.py: resharding N -> M, kill-and-resume, the resume exercise's checker."""
+"""Rank programs of tests/test_checkpoint.py: resharding N -> M, kill-and-resume; the solutions as ranks find them."""
 
 from __future__ import annotations
 
@@ -75,45 +75,52 @@ def kill_and_resume(rank: int, world_size: int, *, root: str) -> dict:
 
 SOLUTIONS = Path(__file__).resolve().parents[2] / "notebooks" / "solutions" / "06_checkpointing.py"
 
-# Answers to the resume exercise that the checker must reject, each for its own reason.
+
+def solutions() -> dict:
+    """notebooks/solutions/06_checkpointing.py, with the notebook's names its prediction reads."""
+    from course_lib.models import MLP
+
+    notebook = {"parameters": sum(p.numel() for p in MLP().parameters()), "LOAD_NPROC": 2}
+    return runpy.run_path(str(SOLUTIONS), init_globals=notebook)
 
 
-def resume_alone(root: str) -> int | None:
-    """The broken program of the exercise: each rank decides from its own view."""
-    found, _ = ck.latest_complete(root)
-    return None if found is None else int(found.name.removeprefix("step_"))
+def verify_together(directory: str) -> bool:
+    """The solution, as the ranks find it (the solutions file needs the notebook's names to run)."""
+    return solutions()["verify_together"](directory)
 
 
-def resume_newest_anyone_has(root: str) -> int | None:
-    """Communicates, but takes the newest step any rank sees: a step rank 0 cannot load."""
-    import torch.distributed as dist
-
-    views: list = [None] * dist.get_world_size()
-    dist.all_gather_object(views, resume_alone(root))
-    steps = [v for v in views if v is not None]
-    return max(steps) if steps else None
+def newest_complete_step(root: str) -> int | None:
+    """The solution of exercise 3, as the ranks find it."""
+    return solutions()["newest_complete_step"](root)
 
 
-def resume_oldest_everyone_has(root: str) -> int | None:
-    """Communicates, but takes the oldest: the ranks agree, on a step older than rank 0's good one."""
-    import torch.distributed as dist
+def two_async_saves(rank: int, world_size: int, *, root: str) -> dict:
+    """Two saves through one AsyncCheckpointer: how many FileSystemWriters were built, what was committed, and the
+    step loaded back from the second."""
+    import torch.distributed.checkpoint as dcp
 
-    views: list = [None] * dist.get_world_size()
-    dist.all_gather_object(views, resume_alone(root))
-    return None if None in views else min(views)
+    built = []
+    original = dcp.FileSystemWriter.__init__
 
+    def counting(self, *args, **kwargs) -> None:
+        built.append(args)
+        original(self, *args, **kwargs)
 
-def resume_verdicts(rank: int, world_size: int) -> dict:
-    """The resume checker against the solution and the wrong answers: 'passed' or the message, per candidate."""
-    candidates = [runpy.run_path(str(SOLUTIONS))["resume_step"], resume_alone]
-    candidates += [resume_newest_anyone_has, resume_oldest_everyone_has]
-    verdicts = {}
-    for candidate in candidates:
-        try:
-            ck.check_agreed_resume_step(candidate)
-            verdicts[candidate.__name__] = "passed"
-        except ck.CheckpointError as error:
-            verdicts[candidate.__name__] = f"raised {error}"
-        except AssertionError as failure:  # ExerciseFailed
-            verdicts[candidate.__name__] = str(failure)
-    return verdicts
+    dcp.FileSystemWriter.__init__ = counting
+    try:
+        data = regression(n=480)
+        model = ck.sharded_mlp()
+        optimizer = ck.make_optimizer(model)
+        app = ck.AppState(model, optimizer)
+        saver = ck.AsyncCheckpointer(root)
+        for step in (1, 2):
+            ck.train_step(model, optimizer, *batch_for_step(data, step - 1, 48, rank, world_size))
+            app.step = step
+            saver.save(step, app)
+        saver.wait()
+    finally:
+        dcp.FileSystemWriter.__init__ = original
+    other = ck.sharded_mlp(seed=7)
+    loaded = ck.AppState(other, ck.make_optimizer(other))
+    ck.dcp_load(Path(root) / "step_2", loaded)
+    return {"writers": len(built), "committed": sorted(p.name for p in Path(root).iterdir()), "step": loaded.step}
