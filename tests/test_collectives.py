@@ -158,6 +158,30 @@ def test_draw_ring_step_runs():
     plt.close("all")
 
 
+def test_section_figures_draw(monkeypatch):
+    """The figures the notebook draws in one line each: from the formulas, from what the ranks kept, from a run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    monkeypatch.setattr(plt, "show", lambda: None)
+    collectives.draw_bytes_per_rank(8)
+    assert len(plt.gcf().axes[0].lines) == 3
+    collectives.draw_deadlock(3)
+    assert [t.get_text() for t in plt.gca().texts if t.get_text()] == [f"rank {r}\nin recv" for r in range(3)]
+    held = [{"broadcast": (torch.tensor([float(r)]), torch.tensor([0.0]))} for r in range(2)]
+    collectives.draw_all_holdings(held)
+    assert [ax.get_title() for ax in plt.gcf().axes[:2]] == ["broadcast: before", "after"]
+    rows = [
+        {"name": "all_reduce", "bytes": b, "seconds": 1e-4 + b * 1e-9, "busbw": b / (1e-4 + b * 1e-9)}
+        for b in (4096, 2**20)
+    ]
+    collectives.draw_bandwidth(rows, 5e-5, 1e-9, 2)
+    assert plt.gcf().axes[0].get_title() == "bus bandwidth, 2 ranks"
+    plt.close("all")
+
+
 # ---- exercises: the solutions pass, wrong answers fail with the expected message -------------------
 
 SOLUTIONS = str(Path(__file__).parents[1] / "notebooks" / "solutions" / "01_collectives.py")

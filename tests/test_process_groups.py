@@ -218,3 +218,18 @@ def test_mean_loss_checker_hands_a_cpu_loss_to_gloo_even_on_a_gpu_rank(monkeypat
     with pytest.raises(Reached):
         checkers.check_mean_loss(recorder(devices))
     assert devices == [torch.device("cpu")]
+
+
+def test_figures_draw(monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    monkeypatch.setattr(plt, "show", lambda: None)
+    process_groups.draw_rendezvous(3)
+    assert "get note/0" in [t.get_text().split("\n")[-1] for t in plt.gcf().axes[0].texts]
+    process_groups.draw_mesh(2, 3)
+    texts = [t.get_text() for t in plt.gca().texts]
+    assert " tp group [3, 4, 5]" in texts and "dp group\n[2, 5]" in texts
+    plt.close("all")
