@@ -88,9 +88,10 @@ def _ring_only(fn: Callable[..., Any], args: tuple, what: str, sizes: list[int],
     rank (the first offending rank's reason, raised on all of them, so the ranks stay in step)."""
     side = side_group()
     course = {f.__qualname__: f for f in (*_COURSE_RING, ring.naive_all_reduce)}
+    messages = _Messages()
     with calls_into(course) as ran:  # refusing(), with a reason for each (sys.setprofile holds one hook at a time)
         try:
-            with record_calls(forbidden=COLLECTIVES, advice=_POINT_TO_POINT_ONLY), _Messages() as messages:
+            with record_calls(forbidden=COLLECTIVES, advice=_POINT_TO_POINT_ONLY), messages:
                 got = fn(*args)
         finally:
             if ran:
