@@ -134,7 +134,7 @@ def draw_shards(order: list[int], shards: list[list[int]]) -> None:
     fig, ax = plt.subplots(figsize=(10, 1.1))
     ax.bar(range(len(batch)), 1, width=1, color=[plt.cm.tab10(owner[s]) for s in batch], edgecolor="white")
     ax.set(yticks=[], xlabel="position in the shuffled order (the first global batch)", xlim=(-0.5, len(batch) - 0.5))
-    ax.set_title(f"DistributedSampler: rank r takes every {len(shards)}-th sample from position r (colour = rank)")
+    ax.set_title(f"DistributedSampler, N = {len(shards)}: rank r takes positions r, r + N, r + 2N, ... (colour = rank)")
     plt.tight_layout()
     plt.show()
 
