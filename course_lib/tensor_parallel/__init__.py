@@ -12,7 +12,7 @@ modules use.
 
 from course_lib.tensor_parallel.async_tp import all_gather_matmul, gather_then_matmul, time_overlap
 from course_lib.tensor_parallel.checkers import check_row_parallel_forward, check_split_backward
-from course_lib.tensor_parallel.lab import LAYERS, draw_shards
+from course_lib.tensor_parallel.lab import LAYERS, draw_async_tp, draw_fg_block, draw_shards
 from course_lib.tensor_parallel.layers import (
     ColumnParallelLinear,
     ParallelAttention,

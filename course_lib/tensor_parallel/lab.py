@@ -40,3 +40,72 @@ def draw_shards(tp_size: int, layer: str) -> None:
     ax.set_title(f"{layer}: W is {rows}×{cols}, {rows * cols // tp_size} numbers per rank")
     plt.tight_layout()
     plt.show()
+
+
+def draw_fg_block(n_ranks: int = 2) -> None:
+    """Megatron-LM's MLP on `n_ranks`: f, then each rank's column slice of W1, GELU, its row slice of W2, then g."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.7 * n_ranks))
+    rows = [n_ranks - 1 - r - (n_ranks - 1) / 2 for r in range(n_ranks)]  # rank 0 on top, centred on 0
+
+    def box(x: float, y: float, text: str, color: str, width: float = 1.5) -> None:
+        ax.add_patch(plt.Rectangle((x - width / 2, y - 0.28), width, 0.56, color=color, alpha=0.35))
+        ax.text(x, y, text, ha="center", va="center", fontsize=8)
+
+    box(0, 0, "X (whole)", "lightgray", 1.1)
+    box(1.6, 0, "f", "tab:green", 0.6)
+    box(7.4, 0, "g", "tab:red", 0.6)
+    box(9, 0, "Y (whole)", "lightgray", 1.1)
+    for r, y in enumerate(rows):
+        box(3.2, y, f"X W1[rows of rank {r}]ᵀ", plt.cm.tab10(r % 10), 2.0)
+        box(5.6, y, f"GELU · W2[cols of rank {r}]ᵀ", plt.cm.tab10(r % 10), 2.0)
+        for (x0, y0), (x1, y1) in (((1.9, 0), (2.2, y)), ((4.2, y), (4.6, y)), ((6.6, y), (7.1, 0))):
+            ax.annotate("", (x1, y1), (x0, y0), arrowprops=dict(arrowstyle="->", lw=0.8))
+    for x0, x1 in ((0.55, 1.3), (7.7, 8.45)):
+        ax.annotate("", (x1, 0), (x0, 0), arrowprops=dict(arrowstyle="->", lw=0.8))
+    low = min(rows) - 0.55
+    ax.text(1.6, low, "f: forward identity\nbackward all-reduce", ha="center", va="top", fontsize=8)
+    ax.text(7.4, low, "g: forward all-reduce\nbackward identity", ha="center", va="top", fontsize=8)
+    ax.text(
+        4.4,
+        low,
+        "column-parallel, then row-parallel:\nno communication between them",
+        ha="center",
+        va="top",
+        fontsize=8,
+    )
+    ax.set_xlim(-0.7, 9.7)
+    ax.set_ylim(low - 0.8, max(rows) + 0.5)
+    ax.axis("off")
+    ax.set_title(f"a tensor-parallel MLP on {n_ranks} ranks (Megatron-LM's f and g)", fontsize=9)
+    plt.tight_layout()
+    plt.show()
+
+
+def draw_async_tp(n_ranks: int = 4, t_comm: float = 3.0, t_mm: float = 4.0) -> None:
+    """One rank's timeline, from the formula: all-gather then matmul, against the chunked ring, where the message of
+    step t (T_comm / (N-1)) travels during the matmul of step t (T_mm / N) and step t+1 waits for both."""
+    import matplotlib.pyplot as plt
+
+    message, chunk = t_comm / (n_ranks - 1), t_mm / n_ranks
+    fig, ax = plt.subplots(figsize=(8, 2.0))
+    ax.barh(3, t_comm, color="tab:gray", edgecolor="white")
+    ax.barh(3, t_mm, left=t_comm, color="tab:blue", edgecolor="white")
+    start = 0.0
+    for step in range(n_ranks):
+        ax.barh(1, chunk, left=start, color="tab:blue", edgecolor="white")
+        ax.text(start + chunk / 2, 1, f"rank r-{step}" if step else "mine", ha="center", va="center", fontsize=7)
+        if step < n_ranks - 1:
+            ax.barh(0, message, left=start, color="tab:gray", edgecolor="white")
+        start += max(message, chunk) if step < n_ranks - 1 else chunk
+    plain, chunked = t_comm + t_mm, max(t_comm, (n_ranks - 1) * t_mm / n_ranks) + t_mm / n_ranks
+    assert abs(start - chunked) < 1e-9  # the drawing is the formula
+    ax.set_yticks([0, 1, 3], ["chunked: messages", "chunked: matmuls", "plain: gather, matmul"])
+    ax.set_xlabel("time (units)")
+    ax.set_title(
+        f"N={n_ranks}: plain {plain:g} = T_comm + T_mm; chunked {chunked:g} = max(T_comm, (N-1)T_mm/N) + T_mm/N",
+        fontsize=9,
+    )
+    plt.tight_layout()
+    plt.show()

@@ -7,9 +7,11 @@ Each function is self-contained (imports inside), because `check` sends its sour
 # LayerNorms (weight and bias) and the biases of the row-parallel layers (o, down) are replicated; every other
 # parameter is split N ways. Forgetting the replicated part (all / N) is off by 1-5 %; forgetting that TP shards
 # at all, by a factor N.
+from course_lib.models import TransformerBlock  # the notebook's, imported at its top
+
 predicted_parameter_bytes = sum(
     4 * p.numel() / (1 if name.startswith("norm") or name.endswith(("o.bias", "down.bias")) else NPROC)  # noqa: F821
-    for name, p in TransformerBlock().named_parameters()  # noqa: F821 (the notebook's names)
+    for name, p in TransformerBlock().named_parameters()
 )
 
 
