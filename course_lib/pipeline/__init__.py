@@ -18,6 +18,7 @@ from course_lib.pipeline.execution import execute, naive_model_parallel, run_act
 from course_lib.pipeline.lab import (
     TORCH_SCHEDULES,
     draw_schedule,
+    draw_v_placement,
     loss_fn,
     max_gradient_error,
     pipeline_step,

@@ -231,3 +231,23 @@ def draw_schedule(
     axes[1].set_xlabel("ms")
     plt.tight_layout()
     plt.show()
+
+
+def draw_v_placement(n_ranks: int = 4, n_microbatches: int = 8) -> None:
+    """torch's zero-bubble schedules with two stages per rank, simulated (t_F = t_B = t_W): looped placement (rank r
+    holds r and r + p) against the V (r and 2p - 1 - r). The black line follows micro-batch 0's forward through the
+    stages: down the ranks and down again, or down and back up."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 1, figsize=(10, 1.4 + 0.9 * n_ranks), sharex=True)
+    for ax, name in zip(axes, ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble")):
+        events = simulate(torch_schedule_order(name, n_ranks, n_microbatches), 2 * n_ranks)
+        title = f"{name}: bubble {bubble_fraction(events, n_ranks):.3f}; lighter: a rank's second stage"
+        plot_timeline(ax, events, n_ranks, title)
+        path = sorted((e.action.stage, (e.start + e.end) / 2, e.rank) for e in events if e.action[:2] == ("F", 0))
+        ax.plot([t for _, t, _ in path], [r for _, _, r in path], "k.-", lw=1)
+        held = [stages_of_rank(name, r, n_ranks) for r in range(n_ranks)]
+        ax.set_yticks(range(n_ranks), [f"rank {r}: stages {a}, {b}" for r, (a, b) in enumerate(held)])
+    axes[-1].set_xlabel("time (units of t_F)")
+    plt.tight_layout()
+    plt.show()
