@@ -1,16 +1,20 @@
 # Solutions of notebook 15's exercises. In the notebook: %load solutions/15_capstone_gpt.py
 
 
-# 8.1 Predict: the matmul FLOPs of one training step of the one-process run (16 sequences of 64 characters).
+from course_lib import gpt
+
+config = gpt.default_config()  # as the notebook defines them above exercise 1
+counts = gpt.count_parameters(config)
+
+
+# Exercise 1 (predict): the matmul FLOPs of one training step (16 sequences of config.seq characters).
 # Every weight of a matrix multiply costs 2 FLOPs per token forward and 4 backward (the gradient of the input
-# and of the weight): 6 per weight and token. The weights: 2 blocks of q, k, v, o (d x d each) and up, down
-# (d x 4d each), and the tied table once, as the head (the embedding lookup multiplies nothing). Biases, norms
-# and the position table are not matmul weights.
-d, vocab, layers, tokens = 128, 108, 2, 16 * 64
-predicted_matmul_flops = 6 * (layers * (4 * d * d + 2 * d * 4 * d) + vocab * d) * tokens
+# and of the weight): 6 per weight and token. counts["matmul"] holds the blocks' q, k, v, o, up, down and the
+# tied table once, as the head (the embedding lookup multiplies nothing; biases, norms and positions neither).
+predicted_matmul_flops = 6 * counts["matmul"] * 16 * config.seq
 
 
-# 8.2 Implement: the group of the two copies of the tied table, for any number of pipeline stages.
+# Exercise 2 (implement): the group of the two copies of the tied table, for any number of pipeline stages.
 def embedding_group(mesh):
     import torch.distributed as dist
 
@@ -26,7 +30,7 @@ def embedding_group(mesh):
     return mine if p in (0, pp - 1) else None
 
 
-# 8.3 Diagnose: the tp ranks of a group must see the same rows, and the dp ranks must split the batch.
+# Exercise 3 (diagnose): the tp ranks of a group must see the same rows, and the dp ranks must split the batch.
 # `dp_rank=rank, dp_size=world_size` gave the two tp ranks of a group different rows: each computed half of
 # every matmul on different sequences, and the row-parallel all-reduce added halves that do not belong
 # together. No error, just a wrong loss. The data-parallel coordinate comes from the mesh.
