@@ -37,6 +37,20 @@ def test_activations_in_flight():
                 assert pp.peak_in_flight(pp.schedule_actions("1F1B", p, m)[s]) == {s: min(p - s, m)}
 
 
+def interleaved_state(n_local_stages, n_ranks, n_microbatches):
+    """What ScheduleInterleaved1F1B's per-rank generator reads from the schedule object, without building one."""
+    from types import SimpleNamespace
+
+    rounds = max(1, n_microbatches // n_ranks)
+    return SimpleNamespace(
+        n_local_stages=n_local_stages,
+        pp_group_size=n_ranks,
+        microbatches_per_round=n_microbatches // rounds,
+        number_of_rounds=rounds,
+        _n_microbatches=n_microbatches,
+    )
+
+
 def test_action_lists_match_torch_schedules():
     # torch's schedule classes compute the same per-rank action lists (their "pipeline order")
     from types import SimpleNamespace
@@ -59,14 +73,7 @@ def test_action_lists_match_torch_schedules():
                 if r < p - 1:  # torch 2.13's order for the last rank is off by one micro-batch (display only)
                     assert torch_actions(one_f_one_b[r]) == [tuple(a) for a in pp.schedule_actions("1F1B", p, m)[r]]
             if m % p == 0:
-                rounds = m // p
-                state = SimpleNamespace(
-                    n_local_stages=2,
-                    pp_group_size=p,
-                    microbatches_per_round=m // rounds,
-                    number_of_rounds=rounds,
-                    _n_microbatches=m,
-                )
+                state = interleaved_state(2, p, m)
                 for r in range(p):
                     ops = ScheduleInterleaved1F1B._calculate_single_rank_operations(state, r)
                     assert torch_actions(ops) == [tuple(a) for a in pp.interleaved_actions(r, p, 2, m)], (p, m, r)
@@ -316,18 +323,9 @@ def torch_rank_ops(stage, n_stages, n_microbatches):  # torch's generator behind
 
 
 def torch_interleaved_one_stage(stage, n_stages, n_microbatches):  # ScheduleInterleaved1F1B with one stage per rank
-    from types import SimpleNamespace
-
     from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
 
-    rounds = max(1, n_microbatches // n_stages)
-    state = SimpleNamespace(
-        n_local_stages=1,
-        pp_group_size=n_stages,
-        microbatches_per_round=n_microbatches // rounds,
-        number_of_rounds=rounds,
-        _n_microbatches=n_microbatches,
-    )
+    state = interleaved_state(1, n_stages, n_microbatches)
     ops = ScheduleInterleaved1F1B._calculate_single_rank_operations(state, stage)
     return [(a.computation_type.value, a.microbatch_index) for a in ops if a is not None]
 
