@@ -42,7 +42,7 @@ def check_split_backward(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
     def checked(grad_slice: torch.Tensor) -> torch.Tensor:
         from torch.distributed.nn import functional as autograd_collectives
 
-        ready_made = {
+        ready_made: dict[str, Callable | type] = {
             "course": gather_last_dim,
             "course layer": GatherFromParallel,
             "autograd": autograd_collectives.all_gather,

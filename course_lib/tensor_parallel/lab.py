@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from course_lib.models import BLOCK
 
 # Kernel side (figures only): which slice of each of the course block's weights lives on which rank.
@@ -49,7 +51,7 @@ def draw_fg_block(n_ranks: int = 2) -> None:
     fig, ax = plt.subplots(figsize=(9, 1.2 + 0.7 * n_ranks))
     rows = [n_ranks - 1 - r - (n_ranks - 1) / 2 for r in range(n_ranks)]  # rank 0 on top, centred on 0
 
-    def box(x: float, y: float, text: str, color: str, width: float = 1.5) -> None:
+    def box(x: float, y: float, text: str, color: Any, width: float = 1.5) -> None:
         ax.add_patch(plt.Rectangle((x - width / 2, y - 0.28), width, 0.56, color=color, alpha=0.35))
         ax.text(x, y, text, ha="center", va="center", fontsize=8)
 
