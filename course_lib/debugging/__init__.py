@@ -23,6 +23,7 @@ from course_lib.debugging.lab import (
     LiveStepPlot,
     allreduce_sizes,
     c10d_log,
+    draw_hang,
     draw_throughput,
     is_allreduce,
     memory_mb,

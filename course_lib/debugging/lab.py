@@ -13,7 +13,7 @@ import tempfile
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -372,4 +372,30 @@ def draw_throughput(
     ax.set_ylabel("global samples / s")
     ax.set_title(f"rolling median over {window} steps, first {skip_warmup} skipped")
     ax.legend(fontsize=8)
+    plt.show()
+
+
+def draw_hang(diagnosis: Any, program: str = "cell.py") -> None:
+    """A hang across ranks, from its diagnosis: per rank, the collectives it issued (the flight recorder's sequence
+    numbers), the one the others wait in that it never issued, and where its main thread sits (py-spy)."""
+    import matplotlib.pyplot as plt
+
+    ranks = sorted(diagnosis.flight)
+    last = max(diagnosis.flight[r].last_enqueued for r in ranks)
+    fig, ax = plt.subplots(figsize=(2 + 1.3 * last, 0.6 + 0.5 * len(ranks)))
+    for row, r in enumerate(ranks):
+        issued = diagnosis.flight[r].last_enqueued
+        for seq in range(1, last + 1):
+            waiting = seq == issued == last and issued > min(diagnosis.flight[q].last_enqueued for q in ranks)
+            color = "tab:red" if waiting else "tab:green" if seq <= issued else "white"
+            ax.barh(row, 1, left=seq - 0.5, color=color, edgecolor="black")
+            ax.text(seq, row, f"#{seq}" if seq <= issued else "never issued", ha="center", va="center", fontsize=8)
+        inner = [f.function for f in diagnosis.stacks[r].frames if f.basename == program]
+        ax.text(last + 0.7, row, f"main thread in {inner[0]}()" if inner else "", va="center", fontsize=8)
+    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xticks([])
+    ax.set_xlim(0.4, last + 2.6)
+    ax.set_title("collectives issued (flight recorder)\nred: waiting for a partner that never comes", fontsize=9)
+    fig.tight_layout()
     plt.show()
