@@ -461,3 +461,27 @@ def test_live_step_plot_joins_a_step_line_the_tee_split():
     for piece in ("[rank 0] step 0 0.0061", "[rank 1] step 0 0.005 s 300.0 MB 0.4", "[rank 0] 23 s 309.4 MB 0.41"):
         live.write(piece + "\n", "stdout")
     assert live.lines_seen == 2 and live.seconds == {0: [0.006123], 1: [0.005]} and live.memory[0] == [309.4]
+
+
+def test_hang_figure_marks_the_collective_the_others_wait_in():
+    from types import SimpleNamespace
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def stack(function):
+        return SimpleNamespace(frames=[SimpleNamespace(function=function, basename="cell.py")])
+
+    diagnosis = SimpleNamespace(
+        flight={r: SimpleNamespace(last_enqueued=3 if r < 2 else 2) for r in range(3)},
+        stacks={0: stack("train"), 1: stack("train"), 2: stack("evaluate")},
+    )
+    debugging.draw_hang(diagnosis)
+    ax = plt.gcf().axes[0]
+    texts = [t.get_text() for t in ax.texts]
+    red = [p for p in ax.patches if p.get_facecolor()[:3] == matplotlib.colors.to_rgb("tab:red")]
+    plt.close("all")
+    assert len(red) == 2 and texts.count("never issued") == 1  # ranks 0 and 1 wait in #3, rank 2 never issued it
+    assert "main thread in evaluate()" in texts
