@@ -56,7 +56,6 @@ def test_calls_slices_broadcast_and_all_reduce_then_no_process_left(n):
         assert (result["rank"], result["world_size"]) == (rank, n)
         assert result["value"] == [n * (n + 1) / 2] * 4
         assert result["calls"] == {"all_reduce": 1}
-        assert result["sent_bytes"] == pytest.approx(2 * (n - 1) / n * 16)  # gloo ring cost of 4 float32
     assert round_trip > 0
     assert running(mesh.pids) == []
     assert mesh.failures == []
@@ -67,7 +66,7 @@ def test_a_raise_and_a_dead_process_as_the_controller_sees_them():
 
     async def session():
         async with monarch_actors.process_mesh(n) as mesh:
-            actors = mesh.procs.spawn("workers", monarch_actors.Worker)
+            actors = mesh.procs.spawn("workers", monarch_actors.FailingWorker)
             with pytest.raises(ActorError) as raised:
                 await actors.slice(procs=1).fail.call_one("bad input")
             still_there = await actors.add.call(1.0)

@@ -84,6 +84,7 @@ def test_parameter_server_sync_equals_data_parallel_async_converges(nproc):
         assert sync["losses"] == pytest.approx(reference_losses, abs=1e-5)
         assert sync["losses"][-1] < sync["losses"][0]
         theta = sum(p.numel() for p in rpc_lib.make_model().parameters())
+        # counted by the trainers on the tensors they sent and received: a gradient and the parameters per step
         assert sync["values_moved"] == runs["async", n_trainers]["values_moved"] == 2 * n_trainers * theta * STEPS
         initial = max_difference(reference, rpc_lib.snapshot(rpc_lib.make_model()))
         assert initial > 1e-2  # the comparison is not trivially true: training moved the parameters
@@ -166,6 +167,12 @@ def add_in_place(counter_rref, amount):  # the lock-free shortcut: += on the val
     return counter.value
 
 
+def add_to_the_private_value(counter_rref, amount):  # the shortcut: += on the stored attribute, no lock
+    counter = counter_rref.local_value()
+    counter._value += amount
+    return counter._value
+
+
 def add_returning_amount(counter_rref, amount):
     counter = counter_rref.local_value()
     with counter.lock:
@@ -226,8 +233,9 @@ def test_reference_solutions_pass(nproc, capsys):
 @pytest.mark.parametrize(
     "wrong, checker, says",
     [
-        (add_without_lock, rpc_lib.check_counter, "total expected 8, got"),
-        (add_in_place, rpc_lib.check_counter, "total expected 8, got"),
+        (add_without_lock, rpc_lib.check_counter, "without holding counter.lock"),
+        (add_in_place, rpc_lib.check_counter, "without holding counter.lock"),
+        (add_to_the_private_value, rpc_lib.check_counter, "the exercise is to hold the lock across the read"),
         (add_returning_amount, rpc_lib.check_counter, "each call must return the total"),
         (join_round_replacing_the_future, rpc_lib.check_join_round, "was never completed"),
         (join_round_never_reset, rpc_lib.check_join_round, "round 1: expected the 2 values of the round, sorted"),
@@ -266,3 +274,17 @@ def test_server_values_prediction(capsys):
     for why, value in wrong.items():
         assert check_prediction("values", value, measured, rtol=0.01) is False, why
     assert capsys.readouterr().out.count("✗") == len(wrong)
+
+
+def test_single_controller_figure_has_a_controller_a_mesh_and_one_actor_per_process():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rpc_lib.draw_single_controller(3)
+    texts = [t.get_text() for t in plt.gcf().axes[0].texts]
+    plt.close("all")
+    assert "controller (this notebook)" in texts
+    assert [t for t in texts if t.startswith("process procs=")] == [f"process procs={p}" for p in range(3)]
+    assert sum(t.startswith("Worker actor") for t in texts) == 3

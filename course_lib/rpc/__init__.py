@@ -14,7 +14,7 @@
 from course_lib.rpc.agent import start
 from course_lib.rpc.checkers import Counter, Rendezvous, check_counter, check_join_round
 from course_lib.rpc.distributed_autograd import distributed_training_step, local_training_step, three_stage_model
-from course_lib.rpc.lab import draw_loss_curves, fit_latency_model, rpc_latency
+from course_lib.rpc.lab import draw_loss_curves, draw_single_controller, fit_latency_model, rpc_latency
 from course_lib.rpc.parameter_server import (
     BatchingParameterServer,
     LockingParameterServer,

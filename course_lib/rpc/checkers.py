@@ -22,38 +22,35 @@ AddFn = Callable[[rpc.RRef, int], int]  # add_fn(counter_rref, amount) -> the to
 
 
 class Counter:
-    """State on the owner. Every read is slow (as a real store's would be), so two RPC threads that read,
-    add and write without holding `lock` lose updates, through read/write or through `value += amount` alike."""
+    """State on the owner. Every read is slow (as a real store's would be), so two RPC threads that read, add and
+    write without holding `lock` lose updates, through read/write, `value` or `_value` alike."""
 
     def __init__(self):
-        self._value = 0
+        self._stored = 0
         self.lock = threading.Lock()
+        self.writes_unlocked = 0  # writes made while no thread held `lock`: counted for the checker
 
-    @property
-    def value(self) -> int:
-        value = self._value
+    def read(self) -> int:
+        value = self._stored
         time.sleep(0.02)  # the value is on its way back while other threads may write
         return value
 
-    @value.setter
-    def value(self, value: int) -> None:
-        self._value = value
-
-    def read(self) -> int:
-        return self.value
-
     def write(self, value: int) -> None:
-        self.value = value
+        self.writes_unlocked += not self.lock.locked()
+        self._stored = value
+
+    value = _value = property(read, write)
 
 
-def _read_counter(counter_rref: rpc.RRef) -> int:
-    return counter_rref.local_value()._value
+def _read_counter(counter_rref: rpc.RRef) -> tuple[int, int]:
+    counter = counter_rref.local_value()
+    return counter._stored, counter.writes_unlocked
 
 
 def check_counter(add_fn: AddFn, calls_per_trainer: int = 8, amount_base: int = 1) -> None:
     """Checker: every trainer sends `calls_per_trainer` concurrent updates through `add_fn`,
-    run on the server; the total must be the sum of every amount, and every call must have
-    seen a different total (no two updates interleaved)."""
+    run on the server; every write must hold the counter's lock, the total must be the sum of every amount, and
+    every call must have seen a different total (no two updates interleaved)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     start(rank, world_size)
     problem = None
@@ -66,8 +63,14 @@ def check_counter(add_fn: AddFn, calls_per_trainer: int = 8, amount_base: int = 
             ]
             returned = [v for f in futures for v in f.wait()]
             expected = sum(r * amount_base * calls_per_trainer for r in range(1, world_size))
-            total = _read_counter(counter_rref)
-            if total != expected:
+            total, unlocked = _read_counter(counter_rref)
+            if unlocked:
+                problem = (
+                    f"{unlocked} of the {len(returned)} updates wrote the counter without holding counter.lock: an "
+                    f"unlocked read-add-write loses an update whenever two RPC threads interleave, even if this run's "
+                    f"timing spared it; the exercise is to hold the lock across the read, the add and the write"
+                )
+            elif total != expected:
                 problem = (
                     f"the counter's owner: total expected {expected}, got {total} "
                     f"after {len(returned)} updates from {world_size - 1} trainer(s)"

@@ -64,3 +64,29 @@ def draw_loss_curves(
     ax.set_title(f"{n_trainers} trainer(s)")
     ax.legend(fontsize=8)
     plt.show()
+
+
+def draw_single_controller(n_procs: int) -> None:
+    """Monarch's picture: one controller (the notebook) above a process mesh of `n_procs` processes along `procs`,
+    a `Worker` actor with its own state in each, and the controller's calls going down to the actors."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyBboxPatch
+
+    fig, ax = plt.subplots(figsize=(1.6 + 1.6 * n_procs, 3))
+    width = 1.6 * n_procs
+    ax.add_patch(FancyBboxPatch((0, 0), width, 1.3, boxstyle="round,pad=0.05", fill=False, linestyle="--"))
+    ax.text(width / 2, 1.45, f"process mesh: {n_procs} processes along 'procs'", ha="center")
+    ax.add_patch(FancyBboxPatch((width / 2 - 1, 2.3), 2, 0.6, boxstyle="round,pad=0.05", color="tab:orange"))
+    ax.text(width / 2, 2.6, "controller (this notebook)", ha="center", va="center")
+    for p in range(n_procs):
+        x = 0.2 + 1.6 * p
+        ax.add_patch(FancyBboxPatch((x, 0.15), 1.2, 1.0, boxstyle="round,pad=0.03", color="tab:blue", alpha=0.2))
+        ax.text(x + 0.6, 0.95, f"process procs={p}", ha="center", fontsize=8)
+        ax.add_patch(FancyBboxPatch((x + 0.15, 0.25), 0.9, 0.45, boxstyle="round,pad=0.02", color="tab:green"))
+        ax.text(x + 0.6, 0.47, "Worker actor\n(total)", ha="center", va="center", fontsize=8)
+        ax.annotate("", xy=(x + 0.6, 0.72), xytext=(width / 2, 2.25), arrowprops={"arrowstyle": "->"})
+    ax.text(width + 0.1, 1.9, "call / call_one on a slice /\nbroadcast: endpoint calls", fontsize=8)
+    ax.set_xlim(-0.2, width + 1.6)
+    ax.set_ylim(-0.1, 3.1)
+    ax.axis("off")
+    plt.show()

@@ -71,26 +71,22 @@ class Worker(Actor):
 
     @endpoint
     def all_reduce(self) -> dict[str, Any]:
-        """A gloo all-reduce among the actors, in the world `setup_torch_elastic_env` described (RANK, MASTER_ADDR..).
-
-        CPU tensors and gloo on every machine, a GPU node included: these actors use no GPU.
-        """
+        """A gloo all-reduce among the actors, in the world `setup_torch_elastic_env` set up (no GPU used)."""
         if not dist.is_initialized():
             dist.init_process_group("gloo")
         tensor = torch.full((4,), float(dist.get_rank() + 1))
         with comms.Recorder() as recorder:
             dist.all_reduce(tensor)
-        return {
-            "rank": dist.get_rank(),
-            "world_size": dist.get_world_size(),
-            "value": tensor.tolist(),
-            "calls": recorder.counts(),
-            "sent_bytes": recorder.sent_bytes(comms.GLOO),
-        }
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        return {"rank": rank, "world_size": world_size, "value": tensor.tolist(), "calls": recorder.counts()}
 
     @endpoint
     def leave_process_group(self) -> None:
         dist.destroy_process_group()
+
+
+class FailingWorker(Worker):
+    """A `Worker` that can fail in the two ways of section 4: its endpoint raises, or its process dies."""
 
     @endpoint
     def fail(self, message: str) -> None:
@@ -197,4 +193,4 @@ def _spawn_procs(n: int) -> ProcMesh:
     return host.spawn_procs(per_host={DIM: n})
 
 
-__all__ = ["DIM", "Mesh", "Worker", "endpoint_round_trip", "process_mesh", "running"]
+__all__ = ["DIM", "FailingWorker", "Mesh", "Worker", "endpoint_round_trip", "process_mesh", "running"]

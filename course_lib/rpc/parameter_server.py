@@ -47,7 +47,6 @@ class BatchingParameterServer:
             torch.futures.Future()
         )  # completed when the current round steps
         self.steps = 0
-        self.values_moved = 0  # gradient values received + parameter values sent back, over the run
 
     def parameters(self) -> list[torch.Tensor]:
         with self.lock:
@@ -59,14 +58,11 @@ class BatchingParameterServer:
         self = server_rref.local_value()
         with self.lock:
             self.round_gradients[trainer] = gradients
-            self.values_moved += _values(gradients)
             this_round = self.next_parameters  # taken under the lock: the future of *this* round
             if len(self.round_gradients) == self.n_trainers:
                 self._average_and_step()
                 self.next_parameters = torch.futures.Future()  # before completing: late callers get the next one
-                reply = snapshot(self.model)
-                self.values_moved += self.n_trainers * _values(reply)  # one reply per waiting trainer
-                this_round.set_result(reply)
+                this_round.set_result(snapshot(self.model))
         return this_round
 
     def _average_and_step(self) -> None:
@@ -90,7 +86,6 @@ class LockingParameterServer:
         self.lock = threading.Lock()
         self.version = 0  # optimizer steps taken so far
         self.staleness: list[int] = []
-        self.values_moved = 0  # gradient values received + parameter values sent back, over the run
 
     def parameters(self) -> tuple[int, list[torch.Tensor]]:
         with self.lock:
@@ -107,9 +102,7 @@ class LockingParameterServer:
                 p.grad = g
             self.optimizer.step()
             self.version += 1
-            reply = snapshot(self.model)
-            self.values_moved += _values(gradients) + _values(reply)
-            return self.version, reply
+            return self.version, snapshot(self.model)
 
 
 def _values(tensors: list[torch.Tensor]) -> int:
@@ -124,14 +117,15 @@ SERVERS: dict[str, type[BatchingParameterServer] | type[LockingParameterServer]]
 
 def train_on_trainer(
     server_rref: rpc.RRef, mode: str, trainer: int, n_trainers: int, steps: int, batch_size: int
-) -> list[float]:
-    """Runs on a trainer: fetch parameters, compute a gradient on its batch, send it, repeat."""
+) -> tuple[list[float], int]:
+    """Runs on a trainer: fetch parameters, compute a gradient on its batch, send it, repeat. Returns the losses
+    and the values that crossed to and from the server in the steps (the gradients sent, the parameters received)."""
     model = make_model()
     cls = SERVERS[mode]
     owner = server_rref.owner()
     fetched = rpc.rpc_sync(owner, _fetch, args=(server_rref,))
     version, values = fetched if mode == "async" else (None, fetched)
-    losses = []
+    losses, moved = [], 0
     for step in range(steps):
         load_parameters(model, values)
         loss, grads = loss_and_gradients(model, *trainer_batch(step, trainer, n_trainers, batch_size))
@@ -140,7 +134,8 @@ def train_on_trainer(
             values = rpc.rpc_sync(owner, cls.update_and_fetch, args=(server_rref, trainer, grads))
         else:
             version, values = rpc.rpc_sync(owner, cls.update_and_fetch, args=(server_rref, trainer, grads, version))
-    return losses
+        moved += _values(grads) + _values(values)  # counted on the tensors that went and came back
+    return losses, moved
 
 
 def _fetch(server_rref: rpc.RRef):
@@ -158,7 +153,7 @@ def run_parameter_server(
     """Runs on the server: build the server object, start every trainer through rpc_async, wait.
 
     Returns the per-step loss (mean over trainers), the final parameters, the staleness
-    histogram (async), the values the server received and sent, and the wall time.
+    histogram (async), the values that went through the server (counted by the trainers), and the wall time.
     """
     server = SERVERS[mode](n_trainers, lr)
     server_rref = rpc.RRef(server)  # owned here; trainers reach it through the RRef
@@ -171,7 +166,9 @@ def run_parameter_server(
     ]
     per_trainer = torch.futures.wait_all(futures)
     wall_s = time.perf_counter() - start_time
-    losses = [statistics.fmean(step_losses) for step_losses in zip(*per_trainer)]
+    losses = [
+        statistics.fmean(step_losses) for step_losses in zip(*(trainer_losses for trainer_losses, _ in per_trainer))
+    ]
     staleness = getattr(server, "staleness", [])
     return {
         "mode": mode,
@@ -179,7 +176,7 @@ def run_parameter_server(
         "losses": losses,
         "parameters": snapshot(server.model),
         "staleness": staleness,
-        "values_moved": server.values_moved,
+        "values_moved": sum(moved for _, moved in per_trainer),  # what the trainers sent and received
         "wall_s": wall_s,
         "updates": n_trainers * steps,
     }

@@ -2,9 +2,11 @@
 # Each function imports what it uses inside its body: `check` sends a function's source alone to the workers.
 from course_lib import rpc as rpc_lib
 
+theta = sum(p.numel() for p in rpc_lib.make_model().parameters())  # as the notebook's cell above exercise 1
+
+
 # Exercise 1 (predict): per synchronous step each of the N_t trainers sends a gradient (|theta| values) and gets
 # the parameters back (|theta| values): the server moves 2 N_t |theta| values (section 1's 2 (N - 1) |theta|).
-theta = sum(p.numel() for p in rpc_lib.make_model().parameters())
 predicted_server_values = 2 * 3 * theta  # 3 trainers: 2 N_t |theta|, whatever the number of processes
 
 
