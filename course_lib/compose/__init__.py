@@ -13,7 +13,15 @@
 """
 
 from course_lib.compose.checkers import check_accumulate, check_micro_batches, check_my_coordinates
-from course_lib.compose.lab import compare_traffic, draw_plan, plot_held, predicted_collectives, predicted_traffic
+from course_lib.compose.lab import (
+    compare_traffic,
+    counted_accumulation,
+    draw_plan,
+    draw_rank_grid,
+    plot_held,
+    predicted_collectives,
+    predicted_traffic,
+)
 from course_lib.compose.mesh import DIMS, Dims, new_groups_by_hand, rank_grid
 from course_lib.compose.parallelize import (
     apply_fsdp,

@@ -100,3 +100,59 @@ def draw_plan(billions: int, nodes: int, gpus_per_node: int, tp: int, pp: int, i
     b.set_title(f"step ~{step_time(r):.0f} s ({r['compute_s']:.0f} s compute), bubble {r['bubble']:.1%}")
     plt.tight_layout()
     plt.show()
+
+
+def counted_accumulation(
+    model: torch.nn.Module,
+    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    every_micro_batch: bool,
+    global_batch: int,
+    dp: int,
+    mesh: Any,
+    device: torch.device,
+) -> tuple[float, dict[str, float]]:
+    """One step over this rank's micro-batches, gradients accumulated, its collectives recorded and priced per mesh
+    dimension (``Recorder.by_dimension``). The gradient sync runs after every micro-batch's backward, or only in the
+    last one's: the loop exercise 8.3 asks for. Returns this rank's loss share and the priced bytes."""
+    from course_lib import comms
+    from course_lib.compose.parallelize import shard_loss
+
+    loss = 0.0
+    with comms.Recorder() as recorder:
+        for i, (x, y) in enumerate(micro_batches):
+            model.set_requires_gradient_sync(every_micro_batch or i == len(micro_batches) - 1)  # type: ignore[operator]
+            share = shard_loss(model(x.to(device)), y.to(device), global_batch=global_batch, dp=dp)
+            share.backward()
+            loss += share.item()
+    return loss, recorder.by_dimension(mesh)
+
+
+def draw_rank_grid(pp: int, dp: int, tp: int, gpus_per_node: int) -> None:
+    """The ranks of a (pp, dp, tp) mesh laid out on nodes of `gpus_per_node` GPUs: each rank with its (p, d, t),
+    its tp group boxed (neighbours: inside a node when tp divides the node), its dp and pp partners joined by lines."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    world = pp * dp * tp
+    nodes = -(-world // gpus_per_node)
+    fig, ax = plt.subplots(figsize=(1.1 * gpus_per_node + 1.5, 1.2 * nodes + 0.6))
+    where = {r: (r % gpus_per_node, -(r // gpus_per_node)) for r in range(world)}  # (column, row) of each rank
+    for n in range(nodes):
+        ax.add_patch(Rectangle((-0.5, -n - 0.45), gpus_per_node, 0.9, fill=False, linestyle="--"))
+        ax.text(-0.7, -n, f"node {n}", ha="right", va="center")
+    for r, (x, y) in where.items():
+        p, d, t = r // (dp * tp), r // tp % dp, r % tp
+        ax.text(x, y, f"{r}\n({p},{d},{t})", ha="center", va="center", fontsize=8)
+        if t == 0:
+            ax.add_patch(Rectangle((x - 0.4, y - 0.3), tp - 0.2, 0.6, color="tab:green", alpha=0.3))
+        for partner, color in ((r + tp, "tab:blue"), (r + dp * tp, "tab:red")):
+            same_group = partner < world and (color == "tab:red" or partner // (dp * tp) == p)
+            if same_group and (color == "tab:red" or d + 1 < dp):
+                (x2, y2), (dx, dy) = where[partner], (0.3, 0) if color == "tab:red" else (0, -0.25)
+                ax.annotate("", (x2 + dx, y2 + dy), (x + dx, y + dy), arrowprops={"arrowstyle": "-", "color": color})
+    ax.set_title("green: a tp group   blue: dp partners   red: pp partners   (p, d, t) under each rank", fontsize=9)
+    ax.set_xlim(-1.6, gpus_per_node)
+    ax.set_ylim(-nodes + 0.4, 0.6)
+    ax.axis("off")
+    plt.show()

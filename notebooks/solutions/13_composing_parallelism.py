@@ -3,6 +3,8 @@
 Each function is self-contained (imports inside): `check` sends its source to the ranks.
 """
 
+from course_lib import compose  # as in the notebook
+
 # Exercise 1 (predict): bytes FSDP sends per GPU in the 3D step of section 4.
 # Each stage holds 2 blocks of 28272 parameters split over tp=2: 28272 fp32 values (4 bytes) per GPU, and a ring
 # all-gather or reduce-scatter over dp=2 sends (dp - 1) / dp of them. torch.distributed.pipelining keeps the
@@ -10,7 +12,7 @@ Each function is self-contained (imports inside): `check` sends its source to th
 # set_requires_gradient_sync(False) until the last micro-batch): with 2 micro-batches, 2 + 1 all-gathers and 1
 # reduce-scatter per block, 4 in all (the planner's fsdp_collectives(2, reshard_after_backward=False,
 # defer_grad_sync=True)). The norms and the row-parallel biases are not split by tp, so the count is ~1% higher.
-predicted_dp_bytes_3d = (2 + 1 + 1) * (2 - 1) / 2 * (2 * 28272 / 2) * 4  # 226176 bytes
+predicted_dp_bytes_3d = (2 + 1 + 1) * (2 - 1) / 2 * sum(p.numel() for p in compose.make_model(2).parameters()) / 2 * 4
 
 
 # Exercise 2 (implement): gradient accumulation with the sync deferred to the last micro-batch.
@@ -37,6 +39,6 @@ def make_micro_batches(x, y, micro_batch_size):
     return list(zip(x.tensor_split(n), y.tensor_split(n)))
 
 
-# Exercise 4 (the rank grid): a rank's (pp, dp, tp) coordinates, tp varying fastest.
+# Exercise 4 (implement): a rank's (pp, dp, tp) coordinates, tp varying fastest.
 def my_coordinates(rank, pp, dp, tp):
     return rank // (dp * tp), rank // tp % dp, rank % tp
