@@ -384,3 +384,19 @@ def test_local_tensor_mode_gives_every_rank_rank_0s_fsdp_shard():
                 block(torch.zeros(1, 6, 48))
     assert rows == dict.fromkeys(range(5), (10,))
     assert [s["0.norm1.weight"].shape for s in compose.shard_shapes(compose.Dims(dp=5), 1)] == [(10,)] * 4 + [(8,)]
+
+
+def test_rank_grid_figure_puts_each_tp_group_inside_a_node():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    compose.draw_rank_grid(pp=2, dp=2, tp=2, gpus_per_node=4)
+    ax = plt.gcf().axes[0]
+    texts = [t.get_text() for t in ax.texts]
+    tp_boxes = [p for p in ax.patches if p.get_facecolor()[:3] == matplotlib.colors.to_rgb("tab:green")]
+    plt.close("all")
+    assert [t for t in texts if t.startswith("node")] == ["node 0", "node 1"]
+    assert "7\n(1,1,1)" in texts and "2\n(0,1,0)" in texts  # rank = (p * dp + d) * tp + t
+    assert len(tp_boxes) == 4 and all(box.get_x() + box.get_width() <= 3.6 for box in tp_boxes)  # within a node
