@@ -1,0 +1,88 @@
+"""Model shapes and clusters the planner prices: a GPT layer, Llama 3, Megatron's runs; H100 and A100 nodes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ModelShape:
+    """A transformer's shape, and the sequences it trains on: `micro_batch` sequences of `seq` tokens.
+
+    `n_params` None: counted from the shape (:func:`parameters`). Defaults are a GPT layer (multi-head attention,
+    a GELU MLP of 4 x hidden, dropout, no vocabulary); Llama sets kv_heads, d_ff, glu (SwiGLU: three matrices),
+    vocab, untied head and no dropout."""
+
+    n_params: float | None
+    layers: int
+    hidden: int
+    heads: int
+    seq: int = 4096
+    micro_batch: float = 1
+    # activation all-reduces per layer and micro-batch: 2 forward, 2 backward with fused qkv (Megatron);
+    # the course's block has separate q, k, v: their input gradients are all-reduced one by one (6)
+    tp_all_reduces: int = 4
+    kv_heads: int | None = None
+    d_ff: int | None = None
+    glu: bool = False
+    vocab: int = 0
+    tied: bool = True
+    dropout: bool = True
+
+    @property
+    def kv_ratio(self) -> float:
+        return (self.kv_heads or self.heads) / self.heads
+
+    @property
+    def ffn(self) -> int:
+        return self.d_ff or 4 * self.hidden
+
+
+def parameters(m: ModelShape) -> float:
+    """Weights: per layer q and o (h x h each), k and v (h x h_kv·d each), the MLP (2 or, gated, 3 matrices of
+    h x d_ff) and two norms; then the embedding table, the head unless tied, and the final norm."""
+    if m.n_params is not None:
+        return m.n_params
+    h = m.hidden
+    layer = 2 * h * h * (1 + m.kv_ratio) + (3 if m.glu else 2) * h * m.ffn + 2 * h
+    return m.layers * layer + m.vocab * h * (1 if m.tied else 2) + h
+
+
+def flops_per_token(m: ModelShape) -> float:
+    """Training FLOPs per token, forward and backward (torchtitan's count, the one MFU is reported against):
+    6 per matmul weight (every weight but an untied embedding table, which is a lookup) and 12·L·h·s for the
+    attention scores and their weighted sum. Megatron's formula (Narayanan et al. 2021, eq. 3) is the same count
+    for a GPT with a tied head: 72·L·h² + 12·L·h·s + 6·V·h per token (times 4/3 with full recomputation)."""
+    lookup = 0 if m.tied else m.vocab * m.hidden
+    return 6 * (parameters(m) - lookup) + 12 * m.layers * m.hidden * m.seq
+
+
+LLAMA_70B = ModelShape(n_params=70e9, layers=80, hidden=8192, heads=64)
+LLAMA3_70B = ModelShape(
+    None, 80, 8192, 64, 8192, kv_heads=8, d_ff=28672, glu=True, vocab=128256, tied=False, dropout=False
+)
+LLAMA31_8B = ModelShape(
+    None, 32, 4096, 32, 8192, kv_heads=8, d_ff=14336, glu=True, vocab=128256, tied=False, dropout=False
+)
+GPT3_175B = ModelShape(None, 96, 12288, 96, 2048, vocab=51200)
+MEGATRON_1T = ModelShape(None, 128, 25600, 160, 2048, vocab=51200)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """GPUs per node, and one GPU's bandwidth inside a node (NVLink) and between nodes (InfiniBand)."""
+
+    gpus_per_node: int = 8
+    intra_node_GBps: float = 450.0
+    inter_node_GBps: float = 50.0
+    peak_TFLOPs: float = 989.0  # dense 16-bit matmuls (H100 SXM)
+    # the step-time model's assumptions: start-up time of one collective step, and the fraction of the peak that
+    # the layers' matmuls reach (large GEMMs; attention kernels and element-wise work reach less)
+    intra_latency_s: float = 5e-6
+    inter_latency_s: float = 10e-6
+    matmul_efficiency: float = 0.7
+
+
+H100_NODES = Cluster()  # 8 H100 per node: NVLink 4 inside, one 400 Gb/s InfiniBand link per GPU between nodes
+# 8 A100 80GB per node (Selene): NVLink 3 (300 GB/s each way), 8 x 200 Gb/s HDR InfiniBand per node
+A100_NODES = Cluster(intra_node_GBps=300.0, inter_node_GBps=25.0, peak_TFLOPs=312.0, matmul_efficiency=0.8)
