@@ -22,7 +22,7 @@ from conftest import REPO
 from tools import editions
 
 SITE = REPO / "build" / "site"
-PAGES = {"03_fsdp2.html": 2, "09_pipeline_parallel.html": 4}  # page: its answer folds, at least
+PAGES = {"02_ddp.html": 2, "09_pipeline_parallel.html": 4}  # page: its answer folds, at least
 
 
 class QuietHandler(SimpleHTTPRequestHandler):
