@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 import runpy
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -46,7 +47,7 @@ def test_model_shapes_reproduce_published_sizes_and_flops():
     assert planner.parameters(planner.GPT3_175B) == pytest.approx(174.6e9, rel=1e-3)
     assert planner.parameters(planner.MEGATRON_1T) == pytest.approx(1008.0e9, rel=1e-3)
     assert planner.parameters(planner.LLAMA31_8B) == pytest.approx(8.03e9, rel=1e-3)
-    assert planner.parameters(planner.LLAMA3_70B) == pytest.approx(70.55e9, rel=1e-3)
+    assert planner.parameters(planner.LLAMA_70B) == pytest.approx(70.55e9, rel=1e-3)
     assert planner.flops_per_token(planner.LLAMA31_8B) == pytest.approx(5.79e10, rel=1e-3)
     g = planner.GPT3_175B
     megatron = 72 * g.layers * g.hidden**2 + 12 * g.layers * g.hidden * g.seq + 6 * g.vocab * g.hidden
@@ -63,7 +64,7 @@ def test_activations_generalize_korthikanti_to_gqa_and_swiglu():
     sbh = gpt.seq * gpt.hidden
     assert planner.activation_bytes_per_layer(gpt, 1, sequence_parallel=False) == pytest.approx(34 * sbh)
     assert planner.activation_bytes_per_layer(gpt, 8, sequence_parallel=False) == pytest.approx((10 + 24 / 8) * sbh)
-    llama = planner.LLAMA3_70B
+    llama = planner.LLAMA_70B
     sbh = llama.seq * llama.hidden
     split = 4 + 4 * 8 / 64 + 6 * 28672 / 8192
     assert planner.activation_bytes_per_layer(llama, 8, sequence_parallel=False) == pytest.approx((8 + split / 8) * sbh)
@@ -89,38 +90,118 @@ def test_step_model_is_an_upper_bound_on_the_published_runs():
     assert runs.published_table().count("\n") == len(runs.PUBLISHED)
 
 
+LLAMA_4K = replace(compose.LLAMA_70B, seq=4096)  # notebook 13's worked example
+
+
 def test_planner_reproduces_zero3_states_and_the_layout_trade_offs():
-    llama = compose.LLAMA_70B
-    for dp, tp, pp in ((16, 4, 1), (8, 4, 2), (64, 1, 1)):
-        r = compose.plan(llama, dp, tp, pp)
-        assert r["params_GB"] + r["grads_GB"] + r["optimizer_GB"] == pytest.approx(70e9 * 16 / 64 / 1e9)
+    llama, h, vocab = LLAMA_4K, 8192, 128256
+    total = planner.parameters(llama)
+    layer = (total - 2 * vocab * h - h) / 80
+    flat_params = (total - h) / 4 + h  # tp=4: all but the final norm split, every layer, the table and the head
+    for dp, tp, pp, params in ((16, 4, 1, flat_params), (8, 4, 2, (40 * layer + vocab * h) / 4), (64, 1, 1, total)):
+        r = compose.plan(llama, dp, tp, pp)  # pp=2: the first stage (the table, two micro-batches in flight)
+        assert r["params_GB"] + r["grads_GB"] + r["optimizer_GB"] == pytest.approx(16 * params / dp / 1e9)
     flat, piped = compose.plan(llama, 16, 4, 1), compose.plan(llama, 8, 4, 2)
     assert flat["microbatches"] == 64 and piped["microbatches"] == 128 and piped["bubble"] > flat["bubble"] == 0
     # ZeRO-3 gathers twice (bf16, 2 B) and reduce-scatters once (fp32 gradients, 4 B) per micro-batch
-    once = (2 * 2 + 4) * 15 / 16 * 70e9 / 4 / 1e9
-    assert flat["dp_comm_GB"] == pytest.approx(64 * once)
+    assert flat["dp_comm_GB"] == pytest.approx(64 * (2 * 2 + 4) * 15 / 16 * flat_params / 1e9)
     # pp > 1: pipelining keeps the stage gathered after a micro-batch's backward and syncs once (stage.py)
-    assert piped["dp_comm_GB"] == pytest.approx(((128 + 1) * 2 + 4) * 7 / 8 * 70e9 / 8 / 1e9)
+    stage = (40 * layer + vocab * h) / 4
+    assert piped["dp_comm_GB"] == pytest.approx(((128 + 1) * 2 + 4) * 7 / 8 * stage / 1e9)
     titan = compose.plan(llama, 8, 4, 2, reshard_after_forward=False)  # one gather, one reduce-scatter a step
-    assert titan["dp_comm_GB"] == pytest.approx((2 + 4) * 7 / 8 * 70e9 / 8 / 1e9)
+    assert titan["dp_comm_GB"] == pytest.approx((2 + 4) * 7 / 8 * stage / 1e9)
     assert titan["memory_GB"] == pytest.approx(piped["memory_GB"])  # gathered from the first backward anyway
     kept = compose.plan(
         llama, 16, 4, 1, reshard_after_forward=False, reshard_after_backward=False, defer_grad_sync=True
     )
-    assert kept["dp_comm_GB"] == pytest.approx((2 + 4) * 15 / 16 * 70e9 / 4 / 1e9) and kept["memory_GB"] > 80
+    assert kept["dp_comm_GB"] == pytest.approx((2 + 4) * 15 / 16 * flat_params / 1e9) and kept["memory_GB"] > 80
     assert compose.step_time(flat) > flat["compute_s"] + flat["tp_s"]  # the DP traffic outlasts the compute
     sbh = 4096 * 8192
-    # Korthikanti et al. as torch runs it: torch's SP keeps the gathered inputs of q, k, v and up (4 sbh); SDPA
-    # keeps no scores; attention that materializes them adds 5as/(ht) unless recomputed selectively
-    assert compose.activation_bytes_per_layer(llama, 4) == pytest.approx(sbh * (4 + 30 / 4))
-    assert compose.plan(llama, 16, 4, 1)["activations_GB"] == pytest.approx(80 * sbh * (4 + 30 / 4) / 1e9)
+    # Korthikanti et al. as torch runs it, for Llama's layer (8 of 64 K/V heads, SwiGLU of 28672, no dropout):
+    # torch's SP keeps the gathered inputs of q, k, v and up (4 sbh) whole, the rest over tp
+    split = 4 + 4 * 8 / 64 + 6 * 28672 / 8192
+    assert compose.activation_bytes_per_layer(llama, 4) == pytest.approx(sbh * (4 + (4 + split) / 4))
+    assert flat["activations_GB"] == pytest.approx(80 * sbh * (4 + (4 + split) / 4) / 1e9)
     eager = compose.activation_bytes_per_layer(llama, 4, sequence_parallel=False, attention="eager")
-    assert eager == pytest.approx(sbh * (10 + 24 / 4 + 5 * 64 * 4096 / (8192 * 4)))
+    assert eager == pytest.approx(sbh * (8 + split / 4 + 5 * 64 * 4096 / (8192 * 4)))
     selective = compose.activation_bytes_per_layer(llama, 4, False, recompute="selective", attention="eager")
-    assert selective == pytest.approx(sbh * (10 + 24 / 4))
+    assert selective == pytest.approx(sbh * (8 + split / 4))
     assert compose.activation_bytes_per_layer(llama, 4, recompute="full") == pytest.approx(2 * sbh / 4)
     with pytest.raises(ValueError, match="keep tensor parallelism inside a node"):
         compose.plan(llama, 4, 16, 1)
+
+
+def test_memory_of_megatrons_gpt3_175b_run_by_hand():
+    """Narayanan et al.'s 175B run (tp 8, pp 16, dp 8, micro-batch 1, s = 2048, full recomputation, no sequence
+    parallelism, gradients all-reduced): the first stage holds 6 layers and the embedding table over tp, 16 micro-
+    batches in flight keep 96 layer inputs, and the backward rebuilds one layer's activations on top of them."""
+    m = planner.GPT3_175B
+    h, s, vocab = 12288, 2048, 51200
+    params = (6 * (12 * h * h + 2 * h) + vocab * h) / 8
+    inputs = 96 * 2 * s * h
+    one_layer = s * h * (10 + 24 / 8)  # Korthikanti's Table 2, tensor parallel, SDPA's kernels keep no scores
+    r = compose.plan(
+        m, 8, 8, 16, planner.A100_NODES, global_batch=1536, zero_stage=0, sequence_parallel=False, recompute="full"
+    )
+    assert r["memory_GB"] == pytest.approx((16 * params + inputs + one_layer) / 1e9)
+    assert r["output_GB"] == 0  # the logits live on the last stage, which keeps one micro-batch's 6 inputs
+    # one stage (pp = 1): the head's input (the final norm's and the head's, 2 s h each) and fp32 logits over tp
+    whole = compose.plan(m, 8, 8, 1, planner.A100_NODES, sequence_parallel=False, recompute="full", zero_stage=0)
+    assert whole["output_GB"] == pytest.approx(s * (2 * h + 2 * h + 4 * vocab / 8) / 1e9)
+    assert whole["activations_GB"] == pytest.approx((96 * 2 * s * h + one_layer) / 1e9)
+
+
+def test_context_parallel_splits_the_sequence_and_sends_the_rings_kv():
+    """cp=2 in place of half the dp ranks (64 H100, Llama 3 70B at 8192 tokens): each rank computes on half of
+    every sequence, FSDP shards over dp x cp as before, and every layer sends K/V around the ring (the notebook 09
+    model, in bf16) and dK/dV back (fp32, torch's ring)."""
+    from course_lib.context_parallel.cost import ring_bytes
+
+    m = compose.LLAMA_70B
+    plain, split = compose.plan(m, 8, 8, 1), compose.plan(m, 4, 8, 1, cp=2)
+    assert split["gpus"] == plain["gpus"] == 64 and split["microbatches"] == 2 * plain["microbatches"]
+    assert split["activations_GB"] == pytest.approx(plain["activations_GB"] / 2)
+    assert split["params_GB"] + split["optimizer_GB"] == pytest.approx(plain["params_GB"] + plain["optimizer_GB"])
+    assert split["tp_comm_GB"] == pytest.approx(plain["tp_comm_GB"])  # twice the micro-batches, half the tokens
+    assert plain["cp_comm_GB"] == 0
+    heads_per_tp_rank, head_dim = 8 // 8, 8192 // 64  # tp splits the 8 K/V heads
+    bf16 = ring_bytes("contiguous", 8192, 2, 0, 1, heads_per_tp_rank, head_dim, 2)
+    fp32 = ring_bytes("contiguous", 8192, 2, 0, 1, heads_per_tp_rank, head_dim, 4)
+    per_layer = bf16["forward K/V"] + bf16["backward K/V"] + fp32["backward dK/dV"]
+    assert split["cp_comm_GB"] == pytest.approx(80 * 256 * per_layer / 1e9)
+    rerun = compose.plan(m, 4, 8, 1, cp=2, recompute="full")  # the recomputed forward sends K/V once more
+    assert rerun["cp_comm_GB"] == pytest.approx(80 * 256 * (per_layer + bf16["forward K/V"]) / 1e9)
+    assert compose.step_time(split) > compose.step_time({**split, "cp_s": 0.0})  # exposed, as TP's
+    with pytest.raises(ValueError, match="SDPA"):
+        compose.plan(m, 4, 8, 1, cp=2, attention="eager")
+    rows = compose.plan_options(m, 64, cps=(1, 2, 4))
+    assert {r["cp"] for r in rows} == {1, 2, 4} and all(r["dp"] * r["tp"] * r["pp"] * r["cp"] == 64 for r in rows)
+
+
+def test_interleaving_shortens_the_bubble_and_keeps_more_activations():
+    """v virtual stages per GPU: bubble (p-1)/(v m + p - 1); the first GPU keeps p (1 + (p-1)/(p v)) micro-batches
+    of L/p layers (Korthikanti et al.), which is what the interleaved schedule's rank 0 holds at its peak."""
+    from course_lib.pipeline.schedules import interleaved_actions, schedule_actions
+
+    def peak_chunks(actions):  # chunks whose forward ran and backward has not, at the worst moment
+        held = peak = 0
+        for a in actions:
+            held += 1 if a.kind == "F" else -1
+            peak = max(peak, held)
+        return peak
+
+    for p, v in ((4, 2), (4, 4), (8, 2)):
+        assert peak_chunks(interleaved_actions(0, p, v, 2 * p)) / v == planner.in_flight(p, v)
+    assert peak_chunks(schedule_actions("1F1B", 4, 8)[0]) == planner.in_flight(4) == 4
+    m = LLAMA_4K
+    plain, interleaved = compose.plan(m, 4, 4, 4), compose.plan(m, 4, 4, 4, virtual_stages=2)
+    assert plain["bubble"] == pytest.approx(3 / (256 + 3)) and interleaved["bubble"] == pytest.approx(3 / (512 + 3))
+    assert interleaved["activations_GB"] == pytest.approx(plain["activations_GB"] * (1 + 3 / 8))
+    assert interleaved["pp_comm_GB"] == pytest.approx(plain["pp_comm_GB"] * 7 / 3)  # 7 stage boundaries, not 3
+    with pytest.raises(ValueError, match="pp=16 x v=2"):
+        compose.plan(m, 1, 4, 16, virtual_stages=2)
+    rows = compose.plan_options(m, 64, virtual=(1, 2))
+    assert {(r["pp"], r["v"]) for r in rows if r["v"] == 2} == {(2, 2), (4, 2), (8, 2)}
 
 
 def test_fsdp_collectives_for_each_reshard_and_defer_choice():

@@ -1,11 +1,13 @@
-"""A planner for real clusters (kernel-only): memory, bytes and time per GPU for a (dp, tp, pp) choice.
+"""A planner for real clusters (kernel-only): memory, bytes and time per GPU for a (dp, tp, pp, cp, v) choice.
 
-Bytes are what one GPU sends per step under a ring algorithm (``comms.RING``, the course's one cost table);
-notebook 13 counts them on ranks (:mod:`.traffic`) and asserts the planner's numbers for small layouts.
+Bytes are what one GPU sends per step under a ring algorithm (``comms.RING``, the course's one cost table), each
+tensor in the dtype it travels in; notebook 13 counts them on ranks (:mod:`.traffic`) and asserts the planner's
+numbers for small layouts.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from course_lib.comms import sent_per_rank
@@ -13,7 +15,6 @@ from course_lib.compose.shapes import (  # noqa: F401 (the planner's names)
     A100_NODES,
     GPT3_175B,
     H100_NODES,
-    LLAMA3_70B,
     LLAMA31_8B,
     LLAMA_70B,
     MEGATRON_1T,
@@ -23,6 +24,10 @@ from course_lib.compose.shapes import (  # noqa: F401 (the planner's names)
     parameters,
 )
 from course_lib.memory import GB, zero_bytes_per_gpu
+from course_lib.pipeline.schedules import ideal_bubble
+
+LOSS_BYTES = 4  # the logits the loss keeps: Megatron and torchtitan upcast them to fp32 for the cross-entropy
+CP_GRAD_BYTES = 4  # torch's ring attention sends dK/dV in fp32 (_cp_options.convert_to_f32 is True by default)
 
 
 def activation_bytes_per_layer(
@@ -56,6 +61,13 @@ def activation_bytes_per_layer(
 def microbatches(global_batch: int, dp: int, micro_batch: float) -> int:
     """Micro-batches per dp rank and step: the global batch over dp replicas, micro_batch sequences each."""
     return max(1, round(global_batch / (dp * micro_batch)))
+
+
+def in_flight(pp: int, virtual_stages: int = 1) -> float:
+    """Micro-batches of the first stage's layers whose activations are alive at 1F1B's peak, in units of
+    L/pp layers: pp; interleaved (v stages per GPU, each L/(pp v) layers) pp (1 + (pp-1)/(pp v)) (Korthikanti
+    et al. 2022, section 4.2.3): its warm-up runs 2(pp-1) + (v-1)pp chunk forwards before the first backward."""
+    return pp * (1 + (pp - 1) / (pp * virtual_stages)) if virtual_stages > 1 else pp
 
 
 def fsdp_collectives(
@@ -106,20 +118,21 @@ def collectives_per_step(
     pp: int,
     n_mb: int,
     *,
+    cp: int = 1,
     zero_stage: int = 3,
     reshard_after_forward: bool = True,
     reshard_after_backward: bool | None = None,
     defer_grad_sync: bool | None = None,
 ) -> dict[str, int]:
     """Collective calls one GPU issues per step for its stage's L/pp layers, by mesh dimension ("dp all_gather"):
-    FSDP's :func:`fsdp_collectives` per unit (one unit per layer) over dp, and `m.tp_all_reduces` activation
-    all-reduces per layer and micro-batch over tp. A dimension of one rank issues none. The FSDP choices
-    default as in :func:`plan` (pipelining's where pp > 1). Notebook 13 asserts these counts against simulated ranks.
-    """
+    FSDP's :func:`fsdp_collectives` per unit (one unit per layer) over dp x cp (torchtitan shards over both), and
+    `m.tp_all_reduces` activation all-reduces per layer and micro-batch over tp. A dimension of one rank issues
+    none. The FSDP choices default as in :func:`plan` (pipelining's where pp > 1). Notebook 13 asserts these counts
+    against simulated ranks."""
     reshard_after_backward, defer_grad_sync = _pipelining_choices(pp, reshard_after_backward, defer_grad_sync)
     layers = m.layers // pp
     calls = {}
-    if dp > 1:
+    if dp * cp > 1:
         per_unit = fsdp_collectives(n_mb, zero_stage, reshard_after_forward, reshard_after_backward, defer_grad_sync)
         calls.update({f"dp {op}": layers * n for op, n in per_unit.items() if n})
     if tp > 1:
@@ -130,13 +143,18 @@ def collectives_per_step(
 def step_time(r: dict[str, float]) -> float:
     """Seconds per step: compute stretched by the bubble, plus what communication cannot hide.
 
-    TP's all-reduces sit on the critical path (the next matmul needs their sum): counted exposed, the worst case
-    (async TP, on GPUs, overlaps part of them with chunks of the matmul). FSDP's gathers
+    TP's all-reduces and CP's K/V exchanges sit on the critical path (attention and the next matmul need them):
+    counted exposed, the worst case (async TP and the ring's overlap hide part of them on GPUs). FSDP's gathers
     are prefetched one unit ahead and its reduce-scatters run during the backward of earlier units, and PP
     sends overlap other micro-batches' compute: hidden as long as compute lasts longer (its bubble stays).
     """
     hidden = r["dp_s"] + r["pp_s"]
-    return r["compute_s"] / (1 - r["bubble"]) + r["tp_s"] + max(0.0, hidden - r["compute_s"])
+    return r["compute_s"] / (1 - r["bubble"]) + r["tp_s"] + r["cp_s"] + max(0.0, hidden - r["compute_s"])
+
+
+def outer_parameters(m: ModelShape) -> float:
+    """The parameters outside the layers: the embedding table, the head unless tied, the final norm."""
+    return m.vocab * m.hidden * (1 if m.tied else 2) + (m.hidden if m.vocab else 0)
 
 
 def plan(
@@ -146,6 +164,8 @@ def plan(
     pp: int,
     cluster: Cluster = H100_NODES,
     *,
+    cp: int = 1,
+    virtual_stages: int = 1,
     global_batch: int = 1024,
     zero_stage: int = 3,
     sequence_parallel: bool = True,
@@ -160,109 +180,155 @@ def plan(
 ) -> dict[str, float]:
     """Memory per GPU (GB), bytes each GPU sends per step (GB) and their time at the cluster's link speeds.
 
-    A step is global_batch / (dp x micro_batch) micro-batches per dp rank, each a forward and a backward.
-    States (16 bytes/param) are split over tp x pp and sharded over dp by ZeRO `zero_stage`; activations:
-    one micro-batch per layer (1F1B keeps pp micro-batches of L/pp layers on the first stage).
-    Per micro-batch: TP all-reduces activations `m.tp_all_reduces` times per layer (and the forward's half again
-    when recompute="full" reruns the forward); PP sends one activation
-    forward and one gradient back per stage boundary. FSDP's traffic is in :func:`fsdp_collectives`:
-    ZeRO-3 all-gathers parameters in every micro-batch's forward and backward and reduce-scatters
-    gradients per micro-batch, unless told otherwise; parameters travel in `bytes_per_value`, gradients in
-    `reduce_bytes_per_value` (fp32 by default: FSDP2's reduce_dtype in torchtitan).
-    With pp > 1, `reshard_after_backward` and `defer_grad_sync` default to what torch.distributed.pipelining sets
-    on an FSDP stage (stage.py: parameters kept gathered after a micro-batch's backward, one gradient sync after
-    the last): False and True.
+    The mesh is (pp, dp, cp, tp), tp innermost (inside a node). A step is global_batch / (dp x micro_batch)
+    micro-batches per dp rank, each a forward and a backward; cp ranks split each sequence (s/cp tokens each).
+    Memory is the fuller of the first and the last stage: states (16 bytes/param) of its layers, plus the
+    embedding table (first) or the head (last), split over tp (vocabulary-parallel) and sharded over dp x cp by ZeRO
+    `zero_stage`; activations of :func:`in_flight` micro-batches of L/pp layers on the first stage, one on the last,
+    which also keeps the head's input and the logits (s·b·V/tp, fp32 for the loss). With recompute="full" a layer
+    keeps only its input, and the backward rebuilds one layer's activations at a time on top of them.
+    Bytes per micro-batch, activations in `bytes_per_value`: TP all-reduces activations `m.tp_all_reduces` times per
+    layer (and the forward's half again when recompute="full" reruns the forward; the embedding's and head's own
+    collectives are left out); CP (ring attention, torch's) sends the other ranks' K and V forward, again in
+    backward, and dK/dV (fp32) back, per layer (:mod:`course_lib.context_parallel.cost`; the forward again under full
+    recomputation); PP sends one activation forward and one gradient back per stage boundary, v x pp - 1 of them.
+    FSDP's traffic is in :func:`fsdp_collectives`: ZeRO-3 all-gathers parameters (`bytes_per_value`) in every
+    micro-batch's forward and backward and reduce-scatters gradients (`reduce_bytes_per_value`, fp32: FSDP2's
+    reduce_dtype in torchtitan) per micro-batch, unless told otherwise. With pp > 1, `reshard_after_backward` and
+    `defer_grad_sync` default to what torch.distributed.pipelining sets on an FSDP stage (stage.py: parameters kept
+    gathered after a micro-batch's backward, one gradient sync after the last): False and True.
     """
     if tp > cluster.gpus_per_node:
         raise ValueError(f"tp={tp} spans nodes: keep tensor parallelism inside a node (tp <= {cluster.gpus_per_node})")
-    if m.layers % pp:
-        raise ValueError(f"{m.layers} layers do not split into pp={pp} equal stages")
+    if m.layers % (pp * virtual_stages):
+        raise ValueError(f"{m.layers} layers do not split into pp={pp} x v={virtual_stages} equal stages")
+    if cp > 1 and attention != "sdpa":
+        raise ValueError("context parallelism runs torch's fused SDPA kernels only (attention='sdpa')")
     reshard_after_backward, defer_grad_sync = _pipelining_choices(pp, reshard_after_backward, defer_grad_sync)
     n_mb = microbatches(global_batch, dp, m.micro_batch)
-    calls = collectives_per_step(
-        m,
-        dp,
-        tp,
-        pp,
-        n_mb,
-        zero_stage=zero_stage,
-        reshard_after_forward=reshard_after_forward,
-        reshard_after_backward=reshard_after_backward,
-        defer_grad_sync=defer_grad_sync,
-    )
-    params_per_gpu = parameters(m) / (tp * pp)
-    state = zero_bytes_per_gpu(params_per_gpu, dp, zero_stage)
-    kept = 0.0  # what the choices keep whole between micro-batches: gathered params, unsharded gradients
-    if zero_stage == 3 and not (reshard_after_forward and reshard_after_backward):
-        kept += params_per_gpu * 2 * (dp - 1) / dp
-    if zero_stage >= 2 and defer_grad_sync:
-        kept += params_per_gpu * 4 * (dp - 1) / dp  # fp32 gradients accumulate unsharded
-    activations = m.layers * activation_bytes_per_layer(m, tp, sequence_parallel, recompute, attention)
-    act_msg = m.seq * m.micro_batch * m.hidden * bytes_per_value  # one activation tensor of a micro-batch
-    tp_calls = calls.get("tp all_reduce", 0) * (1.5 if recompute == "full" else 1)  # the rerun forward's again
+    shard = dp * cp  # FSDP's group
+    calls = collectives_per_step(m, dp, tp, pp, n_mb, cp=cp, zero_stage=zero_stage)
+    local = replace(m, seq=m.seq // cp)  # what one cp rank computes on
+    layer_params = (parameters(m) - outer_parameters(m)) / m.layers
+    per_layer = activation_bytes_per_layer(local, tp, sequence_parallel, recompute, attention)
+    one_layer = activation_bytes_per_layer(local, tp, sequence_parallel, "none", attention)
+    tokens = local.seq * m.micro_batch
+    sp = tp if sequence_parallel else 1
+    stages = []
+    for first, last in dict.fromkeys([(True, pp == 1), (pp == 1, True)]):
+        tables = first + (last and (not m.tied or not first))  # embedding, head (a tied head's copy on the last)
+        final_norm = m.hidden if last and m.vocab else 0  # whole on every tp rank
+        params = (m.layers / pp * layer_params + tables * m.vocab * m.hidden) / tp + final_norm
+        layers_alive = m.layers / pp * (in_flight(pp, virtual_stages) if first else 1)
+        activations = layers_alive * per_layer + (one_layer if recompute == "full" else 0.0)
+        output = tokens * (2 * m.hidden / sp + 2 * m.hidden + LOSS_BYTES * m.vocab / tp) if last and m.vocab else 0.0
+        state = zero_bytes_per_gpu(params, shard, zero_stage)
+        kept = 0.0  # what the choices keep whole between micro-batches: gathered params, unsharded gradients
+        if zero_stage == 3 and not (reshard_after_forward and reshard_after_backward):
+            kept += params * 2 * (shard - 1) / shard
+        if zero_stage >= 2 and defer_grad_sync:
+            kept += params * 4 * (shard - 1) / shard  # fp32 gradients accumulate unsharded
+        total = state["total"] + kept + activations + output
+        stages.append((total, params, state, kept, activations, output))
+    total, params, state, kept, activations, output = max(stages, key=lambda stage: stage[0])
+
+    rerun = recompute == "full"
+    act_msg = tokens * m.hidden * bytes_per_value  # one activation tensor of a micro-batch on one cp rank
+    tp_calls = calls.get("tp all_reduce", 0) * (1.5 if rerun else 1)  # the rerun forward's again
     tp_bytes = tp_calls * sent_per_rank("all_reduce", act_msg, tp)
-    unit = params_per_gpu / (m.layers / pp)  # values of one FSDP unit (a layer) on this GPU
-    gather = sent_per_rank("all_gather", unit * bytes_per_value, dp)
-    reduce = sent_per_rank("reduce_scatter", unit * reduce_bytes_per_value, dp)
+    kv = 2 * m.seq * m.micro_batch * m.hidden * m.kv_ratio  # K and V values of a whole sequence, per layer
+    cp_per_layer = kv * (cp - 1) / cp * bytes_per_value * (3 if rerun else 2) + kv * CP_GRAD_BYTES
+    cp_bytes = m.layers / pp * n_mb * cp_per_layer / tp if cp > 1 else 0.0  # tp splits the K/V heads
+    per_unit = fsdp_collectives(n_mb, zero_stage, reshard_after_forward, reshard_after_backward, defer_grad_sync)
     dp_bytes = (
-        calls.get("dp all_gather", 0) * gather
-        + (calls.get("dp reduce_scatter", 0) + 2 * calls.get("dp all_reduce", 0)) * reduce
+        per_unit["all_gather"] * sent_per_rank("all_gather", params * bytes_per_value, shard)
+        + (per_unit["reduce_scatter"] + 2 * per_unit["all_reduce"])
+        * sent_per_rank("reduce_scatter", params * reduce_bytes_per_value, shard)
+        if shard > 1
+        else 0.0
     )
-    pp_bytes = 2 * (pp - 1) / pp * act_msg * n_mb  # mean per GPU: the end stages send one way, the others both
+    pp_bytes = 2 * (virtual_stages * pp - 1) / pp * act_msg * n_mb  # mean per GPU: sends cross v·pp - 1 boundaries
     intra, inter = cluster.intra_node_GBps, cluster.inter_node_GBps
-    dp_link = intra if tp * dp <= cluster.gpus_per_node else inter
-    pp_link = intra if tp * dp * pp <= cluster.gpus_per_node else inter
-    flops = flops_per_token(m) * (4 / 3 if recompute == "full" else 1) * global_batch * m.seq
+    node = cluster.gpus_per_node
+    cp_link = intra if tp * cp <= node else inter
+    dp_link = intra if tp * cp * dp <= node else inter
+    pp_link = intra if tp * cp * dp * pp <= node else inter
+    gpus = dp * tp * pp * cp
+    flops = flops_per_token(m) * (4 / 3 if rerun else 1) * global_batch * m.seq
     return {
         "dp": dp,
         "tp": tp,
         "pp": pp,
-        "gpus": dp * tp * pp,
+        "cp": cp,
+        "v": virtual_stages,
+        "gpus": gpus,
         "microbatches": n_mb,
         "params_GB": state["params"] / GB,
         "grads_GB": state["grads"] / GB,
         "optimizer_GB": state["optimizer"] / GB,
         "kept_GB": kept / GB,
         "activations_GB": activations / GB,
-        "memory_GB": (state["total"] + kept + activations) / GB,
+        "output_GB": output / GB,
+        "memory_GB": total / GB,
         "tp_comm_GB": tp_bytes / GB,
+        "cp_comm_GB": cp_bytes / GB,
         "dp_comm_GB": dp_bytes / GB,
         "pp_comm_GB": pp_bytes / GB,
         "tp_s": tp_bytes / (intra * GB),
+        "cp_s": cp_bytes / (cp_link * GB),
         "dp_s": dp_bytes / (dp_link * GB),
         "pp_s": pp_bytes / (pp_link * GB),
-        "compute_s": flops / (dp * tp * pp * cluster.peak_TFLOPs * 1e12 * mfu),
-        "bubble": (pp - 1) / (n_mb + pp - 1),
+        "compute_s": flops / (gpus * cluster.peak_TFLOPs * 1e12 * mfu),
+        "bubble": ideal_bubble(pp, n_mb, virtual_stages),
     }
 
 
-def plan_options(m: ModelShape, n_gpus: int, cluster: Cluster = H100_NODES, **choices: Any) -> list[dict[str, float]]:
-    """Every (dp, tp, pp) of powers of two, tp inside a node, that the model's layers and heads allow, by memory.
-
-    `choices` (global_batch=, zero_stage=, ...) go to :func:`plan` for every row."""
+def plan_options(
+    m: ModelShape,
+    n_gpus: int,
+    cluster: Cluster = H100_NODES,
+    *,
+    cps: tuple[int, ...] = (1,),
+    virtual: tuple[int, ...] = (1,),
+    **choices: Any,
+) -> list[dict[str, float]]:
+    """Every (dp, tp, pp) of powers of two, tp inside a node, that the model's layers and heads allow, for each
+    context-parallel size in `cps` (dividing the sequence) and virtual stages in `virtual` (v > 1 with pp > 1, the
+    layers divided into pp x v stages), by memory. `choices` (global_batch=, zero_stage=, ...) go to :func:`plan`."""
     rows = []
     powers = [2**k for k in range(n_gpus.bit_length())]
-    for tp in powers:
-        for pp in powers:
-            if tp > cluster.gpus_per_node or n_gpus % (tp * pp) or m.layers % pp or m.heads % tp:
-                continue
-            rows.append(plan(m, n_gpus // (tp * pp), tp, pp, cluster, **choices))
+    for cp in cps:
+        for tp in powers:
+            for pp in powers:
+                for v in virtual:
+                    if (
+                        tp > cluster.gpus_per_node
+                        or n_gpus % (tp * pp * cp)
+                        or m.layers % (pp * v)
+                        or m.heads % tp
+                        or m.seq % cp
+                        or (v > 1 and pp == 1)
+                    ):
+                        continue
+                    rows.append(plan(m, n_gpus // (tp * pp * cp), tp, pp, cluster, cp=cp, virtual_stages=v, **choices))
     return sorted(rows, key=lambda r: r["memory_GB"])
 
 
 def format_plan(rows: list[dict[str, float]]) -> str:
     """The rows of :func:`plan_options` as a table: memory per GPU, bytes per GPU per step, time per step."""
     head = (
-        f"{'dp':>3} {'tp':>3} {'pp':>3} {'mb':>4} {'states':>6} {'kept':>5} {'activ':>6} {'memory':>7}"
-        f" {'TP':>7} {'DP':>7} {'PP':>6} {'compute':>8} {'TP s':>6} {'DP s':>6} {'bubble':>7} {'step s':>7}"
+        f"{'dp':>3} {'tp':>2} {'pp':>2} {'cp':>2} {'v':>1} {'mb':>4} {'states':>6} {'kept':>5} {'activ':>6}"
+        f" {'memory':>6} {'TP':>6} {'CP':>5} {'DP':>6} {'PP':>5} {'compute':>7} {'TP+CP s':>7} {'DP s':>5}"
+        f" {'bubble':>6} {'step s':>6}"
     )
-    lines = [head, " " * 17 + "(GB per GPU)" + " " * 15 + "(GB sent per GPU per step)  (seconds per step)"]
+    lines = [head, " " * 23 + "(GB per GPU)" + " " * 14 + "(GB sent per GPU per step)  (seconds per step)"]
     for r in rows:
         states = r["params_GB"] + r["grads_GB"] + r["optimizer_GB"]
         lines.append(
-            f"{r['dp']:>3} {r['tp']:>3} {r['pp']:>3} {r['microbatches']:>4} {states:>6.1f} {r['kept_GB']:>5.1f} "
-            f"{r['activations_GB']:>6.1f} {r['memory_GB']:>7.1f} {r['tp_comm_GB']:>7.0f} {r['dp_comm_GB']:>7.0f} "
-            f"{r['pp_comm_GB']:>6.1f} {r['compute_s']:>8.1f} {r['tp_s']:>6.1f} {r['dp_s']:>6.1f} "
-            f"{r['bubble']:>7.1%} {step_time(r):>7.1f}"
+            f"{r['dp']:>3} {r['tp']:>2} {r['pp']:>2} {r['cp']:>2} {r['v']:>1} {r['microbatches']:>4} {states:>6.1f}"
+            f" {r['kept_GB']:>5.1f} {r['activations_GB'] + r['output_GB']:>6.1f} {r['memory_GB']:>6.1f}"
+            f" {r['tp_comm_GB']:>6.0f} {r['cp_comm_GB']:>5.0f} {r['dp_comm_GB']:>6.0f} {r['pp_comm_GB']:>5.1f}"
+            f" {r['compute_s']:>7.1f} {r['tp_s'] + r['cp_s']:>7.1f} {r['dp_s']:>5.1f} {r['bubble']:>6.1%}"
+            f" {step_time(r):>6.1f}"
         )
     return "\n".join(lines)

@@ -109,7 +109,15 @@ def predicted_step(run: Run, virtual_stages: int = 1) -> dict[str, float]:
     rerun = 4 / 3 if run.recompute == "full" else 1
     compute = model_flops * rerun / gpus / (c.peak_TFLOPs * 1e12 * c.matmul_efficiency)
     r = plan(
-        m, run.dp, run.tp, run.pp, c, global_batch=run.global_batch, zero_stage=run.zero_stage, recompute=run.recompute
+        m,
+        run.dp,
+        run.tp,
+        run.pp,
+        c,
+        virtual_stages=virtual_stages,
+        global_batch=run.global_batch,
+        zero_stage=run.zero_stage,
+        recompute=run.recompute,
     )
     calls = collectives_per_step(m, run.dp, run.tp, run.pp, n_mb, zero_stage=run.zero_stage)
     across_dp = run.tp * run.dp > c.gpus_per_node
@@ -119,7 +127,7 @@ def predicted_step(run: Run, virtual_stages: int = 1) -> dict[str, float]:
     pp_link = c.inter_node_GBps if run.tp * run.dp * run.pp > c.gpus_per_node else c.intra_node_GBps
     parts = {
         "compute_s": compute,
-        "bubble_s": compute * (run.pp - 1) / (virtual_stages * n_mb),
+        "bubble_s": compute * r["bubble"] / (1 - r["bubble"]),  # (pp - 1) / (v x micro-batches) of the compute
         "tp_s": r["tp_s"] + tp_steps * c.intra_latency_s,
         "pp_s": r["pp_comm_GB"] / run.tp / pp_link + (2 * n_mb * c.inter_latency_s if run.pp > 1 else 0.0),
         "dp_s": r["dp_s"] + dp_steps * dp_latency,

@@ -57,8 +57,7 @@ def flops_per_token(m: ModelShape) -> float:
     return 6 * (parameters(m) - lookup) + 12 * m.layers * m.hidden * m.seq
 
 
-LLAMA_70B = ModelShape(n_params=70e9, layers=80, hidden=8192, heads=64)
-LLAMA3_70B = ModelShape(
+LLAMA_70B = ModelShape(  # Llama 3 70B (Meta's params.json), at its 8,192-token pre-training context
     None, 80, 8192, 64, 8192, kv_heads=8, d_ff=28672, glu=True, vocab=128256, tied=False, dropout=False
 )
 LLAMA31_8B = ModelShape(
