@@ -7,12 +7,11 @@ built into each case's directories.
 
 from __future__ import annotations
 
-import builtins
 import hashlib
-import io
 import json
 import os
 import random
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -29,6 +28,15 @@ from course_lib.exercises import ExerciseFailed, calls_into
 # ---- exercise 2: verify one checkpoint together, each rank reading only its share -------------------------------
 
 
+_WATCHING: list[_Recorder] = []  # the recorder the audit hook reports to (a hook cannot be removed: one per process)
+_WATCHING_INSTALLED: list[bool] = []
+
+
+def _report_open(event: str, args: tuple[Any, ...]) -> None:
+    if event == "open" and _WATCHING:
+        _WATCHING[-1].saw_open(args[0])
+
+
 class _Recorder:
     """What the learner's function does on this rank: files it opens under `root`, collectives, library calls."""
 
@@ -38,24 +46,25 @@ class _Recorder:
         self.collectives = 0
         self.library: list[str] = []
 
+    def saw_open(self, file: Any) -> None:
+        if isinstance(file, (str, bytes, os.PathLike)):
+            path = Path(os.fsdecode(file)).resolve()
+            if path.is_relative_to(self.root) and path.is_file():
+                self.opened.add(str(path.relative_to(self.root)))
+
     @contextmanager
     def watching(self) -> Iterator[_Recorder]:
-        real_open = builtins.open
-
-        def recording_open(file: Any, *args: Any, **kwargs: Any) -> Any:
-            if isinstance(file, (str, os.PathLike)):
-                path = Path(os.fsdecode(file)).resolve()
-                if path.is_relative_to(self.root) and path.is_file():
-                    self.opened.add(str(path.relative_to(self.root)))
-            return real_open(file, *args, **kwargs)
-
         library = {"checkpoint.verify": verify, "checkpoint.latest_complete": latest_complete}
-        builtins.open = io.open = recording_open  # type: ignore[assignment]  # Path.open calls io.open
+        if not _WATCHING_INSTALLED:
+            # the "open" audit event: open(), io.open, Path.open, os.open and numpy.fromfile all raise it
+            sys.addaudithook(_report_open)
+            _WATCHING_INSTALLED.append(True)
+        _WATCHING.append(self)
         try:
             with comms.Recorder() as recorder, calls_into(library) as called:
                 yield self
         finally:
-            builtins.open = io.open = real_open
+            _WATCHING.pop()
         self.collectives = len(comms.outermost(recorder.calls))
         self.library = called
 
