@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from course_lib.activations.formulas import KORTHIKANTI_TERMS, korthikanti_terms
 from course_lib.comms import sent_per_rank
 from course_lib.compose.shapes import (  # noqa: F401 (the planner's names)
     A100_NODES,
@@ -33,12 +34,13 @@ CP_GRAD_BYTES = 4  # torch's ring attention sends dK/dV in fp32 (_cp_options.con
 def activation_bytes_per_layer(
     m: ModelShape, tp: int, sequence_parallel: bool = True, recompute: str = "none", attention: str = "sdpa"
 ) -> float:
-    """Activations one layer keeps for backward, per micro-batch, 16-bit (Korthikanti et al. 2022, as torch runs it),
-    in units of s·b·h (r = h_kv/h, f = d_ff/h; a GPT layer: r = 1, f = 4, dropout):
+    """Activations one layer keeps for backward, per micro-batch, 16-bit: Korthikanti et al.'s terms for a GPT layer
+    (:func:`course_lib.activations.korthikanti_terms`, notebook 05), rescaled for this layer and run as torch runs it.
+    In units of s·b·h (r = h_kv/h, f = d_ff/h; a GPT layer: r = 1, f = 4, dropout):
 
     whole on every tp rank: the two norms' inputs (4), the inputs of q/k/v and of the MLP (2 + 2), the two dropout
-    masks (2); split over tp: q, k, v, the attention output (2 + 4r + 2), the MLP's hidden (4f, or 6f gated):
-    s*b*h * (10 + 24/t) for a GPT layer
+    masks (2); split over tp: q, k, v, the attention output (2 + 4r + 2), the MLP's hidden (4f, or 6f gated:
+    SwiGLU keeps three tensors of d_ff): s*b*h * (10 + 24/t) for a GPT layer
     + sequence parallel with torch's plan: the norms and masks run on s/t tokens, but the all-gathered
     norm outputs that q, k, v and the MLP's first Linear save stay whole: s*b*h * (4 + 30/t); Megatron
     all-gathers them again in backward instead and keeps 34/t
@@ -47,15 +49,26 @@ def activation_bytes_per_layer(
                               recomputation (recompute="selective") drops them too
     2*s*b*h (/t with SP)      recompute="full": only the layer's input is kept
     """
-    s, b, h, a = m.seq, m.micro_batch, m.hidden, m.heads
+    s, b, h = m.seq, m.micro_batch, m.hidden
     if recompute == "full":
         return 2 * s * b * h / (tp if sequence_parallel else 1)
-    scores = 5 * a * s / (h * tp) if attention == "eager" and recompute != "selective" else 0.0
-    masks = 2 if m.dropout else 0
-    split = 4 + 4 * m.kv_ratio + (6 if m.glu else 4) * m.ffn / h
-    whole = 4 + 4 + masks
-    linear = 4 + (whole - 4 + split) / tp if sequence_parallel else whole + split / tp
-    return s * b * h * (linear + scores)
+    keep_scores = attention == "eager" and recompute != "selective"
+    hidden = m.ffn / (4 * h) * (1.5 if m.glu else 1)  # the paper's MLP keeps two tensors of 4h
+    scale = {
+        "attention: Q and K, for QKᵀ": (1 + m.kv_ratio) / 2,
+        "attention: V": m.kv_ratio,
+        "MLP: GeLU input": hidden,
+        "MLP: second linear input": hidden,
+        "attention: dropout mask": float(m.dropout),
+        "MLP: dropout mask": float(m.dropout),
+    }
+    gathered = ("attention: QKV input (LayerNorm output)", "MLP: first linear input")  # whole under torch's SP
+    sequence_split = {name for name, _, _, split in KORTHIKANTI_TERMS if not split and name not in gathered}
+    terms = korthikanti_terms(s, b, h, m.heads, tp, selective=not keep_scores)
+    return sum(
+        size * scale.get(name, 1.0) / (tp if sequence_parallel and name in sequence_split else 1)
+        for name, size in terms.items()
+    )
 
 
 def microbatches(global_batch: int, dp: int, micro_batch: float) -> int:
