@@ -64,8 +64,8 @@ def activation_bytes_per_layer(
     }
     gathered = ("attention: QKV input (LayerNorm output)", "MLP: first linear input")  # whole under torch's SP
     sequence_split = {name for name, _, _, split in KORTHIKANTI_TERMS if not split and name not in gathered}
-    terms = korthikanti_terms(s, b, h, m.heads, tp, selective=not keep_scores)
-    return sum(
+    terms = korthikanti_terms(s, 1, h, m.heads, tp, selective=not keep_scores)  # b may be fractional: times b below
+    return b * sum(
         size * scale.get(name, 1.0) / (tp if sequence_parallel and name in sequence_split else 1)
         for name, size in terms.items()
     )
