@@ -3,7 +3,7 @@
 - :mod:`.mesh`: the rank grid, by hand (:func:`rank_grid`, dist.new_group) and as one DeviceMesh (:class:`Dims`);
 - :mod:`.parallelize`: each parallelism as a function over a mesh dimension (:func:`apply_tp`, :func:`apply_fsdp`,
   :func:`stage_blocks`), and the single-process reference the composed model must equal;
-- :mod:`.planner`: memory, bytes and time per GPU for a (dp, tp, pp) choice on a real cluster, micro-batches and
+- :mod:`.planner`: memory, bytes and time per GPU for a (dp, tp, pp, cp, v) choice on a real cluster, micro-batches and
   FSDP's reshard/defer choices included (kernel-only); :mod:`.shapes` the models and clusters it prices;
 - :mod:`.runs`: a step-time model, its predicted MFU beside published runs (Megatron, torchtitan);
 - :mod:`.simulate`: layouts of 8 to 64 ranks in one process (torch's fake backend, each rank played in turn):
