@@ -199,10 +199,73 @@ def test_torch_two_stage_schedules_simulated_have_their_formulas_bubble(p):
     for m in (2 * p, 3 * p):
         for name in pp.TORCH_SCHEDULES:
             actions = pp.torch_schedule_order(name, p, m)  # in a fake process group of p ranks
-            assert sorted(a.stage for a in actions[0] if a.kind == "F")[::m] == pp.stages_of_rank(name, 0, p)
+            forwards = sorted(a.stage for a in pp.actions_of(actions[0]) if a.kind == "F")
+            assert forwards[::m] == pp.stages_of_rank(name, 0, p)
             bubble = pp.bubble_fraction(pp.simulate(actions, 2 * p), p)
-            want = pp.ideal_bubble(p, m, 2) if name == "ScheduleLoopedBFS" else pp.zero_bubble_ideal(p, m, 2)
+            want = {"ScheduleLoopedBFS": pp.ideal_bubble(p, m, 2), "ScheduleDualPipeV": pp.dualpipev_bubble(p, m)}.get(
+                name, pp.zero_bubble_ideal(p, m, 2)
+            )
             assert bubble == pytest.approx(want, abs=1e-12), (name, p, m)
+
+
+def idle_per_rank(events, p):
+    span = max(e.end for e in events) - min(e.start for e in events)
+    return [span - sum(e.end - e.start for e in events if e.rank == r) for r in range(p)]
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_published_bubbles_with_unequal_times(p):
+    # idle time per rank, in the papers' own forms, for t_F, t_B (whole backward), t_W not all equal
+    for t_f, t_b, t_w in ((1, 2, 1), (1, 3, 1), (2, 3, 0.5)):
+        times = dict(t_forward=t_f, t_backward=t_b, t_weight=t_w)
+        for m in (p, 2 * p):
+            one_f_one_b = pp.simulate(pp.schedule_actions("1F1B", p, m), p, **times)
+            assert idle_per_rank(one_f_one_b, p) == pytest.approx([(p - 1) * (t_f + t_b)] * p)  # Qi et al. Table 2
+            zb = pp.simulate(pp.schedule_actions(pp.ZERO_BUBBLE, p, m), p, **times)
+            t_input = t_b - t_w  # Qi et al.'s T_B: the input gradient only
+            if t_input >= t_w:  # ZB-H1's W fits in the slot of the B it waits for (the paper assumes it)
+                assert max(idle_per_rank(zb, p)) == pytest.approx((p - 1) * (t_f + t_input - t_w))
+        # Narayanan et al. (2021): interleaving divides the idle time by v, (p - 1) / (v m) of the ideal time
+        for m in (p, 2 * p):
+            events = pp.simulate(pp.schedule_actions("interleaved 1F1B", p, m), 2 * p, **times)
+            assert max(idle_per_rank(events, p)) / (m * (t_f + t_b)) == pytest.approx((p - 1) / (2 * m))
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_dualpipev_bubble_is_deepseeks_formula_with_the_overlapped_pair_as_one_unit(p):
+    m = 3 * p
+    actions = pp.torch_schedule_order("ScheduleDualPipeV", p, m)
+    assert any(isinstance(unit, pp.Overlapped) for unit in actions[0])
+    # DeepSeek's (PP/2 - 1)(F&B + B - 3W) holds where the input gradient takes as long as the forward
+    for t_f, t_b, t_w in ((1, 2, 1), (1, 1.5, 0.5), (3, 5, 2)):
+        events = pp.simulate(actions, 2 * p, t_forward=t_f, t_backward=t_b, t_weight=t_w)
+        want = pp.dualpipev_bubble(p, m, t_f, t_b, t_w)
+        assert pp.bubble_fraction(events, p) == pytest.approx(want, abs=1e-12), (t_f, t_b, t_w)
+    # run as two independent actions, F's output leaving before the pair ends, the bubble halves: not DualPipeV's
+    split = {r: pp.actions_of(todo) for r, todo in actions.items()}
+    halved = pp.bubble_fraction(pp.simulate(split, 2 * p), p)
+    assert halved == pytest.approx(pp.zero_bubble_ideal(p, m, 2)) and halved < pp.dualpipev_bubble(p, m)
+    with pytest.raises(ValueError, match="m >= 2p"):
+        pp.dualpipev_bubble(p, 2 * p - 1)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_simultaneous_peak_is_the_published_per_device_memory(p):
+    # per device, in micro-batches of one whole stage (a rank's share of the model); m >= 2p
+    def worst_rank(actions, v):
+        return max(pp.simultaneous_peak(todo) for todo in actions.values()) / v
+
+    for m in (2 * p, 3 * p):
+        assert worst_rank(pp.schedule_actions("GPipe", p, m), 1) == m
+        assert worst_rank(pp.schedule_actions("1F1B", p, m), 1) == p
+        assert worst_rank(pp.schedule_actions(pp.ZERO_BUBBLE, p, m), 1) == p  # Qi et al.: ZB-H1 at 1F1B's
+        interleaved = pp.schedule_actions("interleaved 1F1B", p, m)
+        assert worst_rank(interleaved, 2) == p * (1 + (p - 1) / (2 * p))  # Korthikanti et al. 2022, section 4.2.3
+        assert worst_rank(pp.torch_schedule_order("ScheduleZBVZeroBubble", p, m), 2) == p  # Qi et al.: 1F1B's
+        assert worst_rank(pp.torch_schedule_order("ScheduleDualPipeV", p, m), 2) == p + 0.5  # DeepSeek: PP + 1 stages
+        # the sum of each stage's own peak counts more than a rank ever holds
+        summed = max(sum(pp.peak_in_flight(todo).values()) for todo in interleaved.values()) / 2
+        assert summed > worst_rank(interleaved, 2)
 
 
 def torch_schedules_program(rank, world_size):  # sent to the ranks by run_source

@@ -4,7 +4,7 @@ training; torch's newer schedules as the course's actions; the Gantt chart and t
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -14,7 +14,7 @@ from torch import nn
 from course_lib.compare import grad_of, max_difference
 from course_lib.launch.runtime import fake_rank
 from course_lib.pipeline.execution import RunRecord, execute
-from course_lib.pipeline.schedules import Action, peak_in_flight, schedule_actions
+from course_lib.pipeline.schedules import Action, Overlapped, Unit, schedule_actions, simultaneous_peak
 from course_lib.pipeline.stages import course_model, local_stages, split_into_stages
 from course_lib.pipeline.timeline import Event, bubble_fraction, simulate
 
@@ -118,7 +118,7 @@ def run_torch_step(
 
 # Each torch schedule computes, on every rank, the action list of every rank (``pipeline_order``).
 # :func:`course_actions` turns it into the course's actions, so the course's :func:`simulate`,
-# :func:`bubble_fraction` and :func:`peak_in_flight` judge torch's schedules exactly as ours.
+# :func:`bubble_fraction` and :func:`simultaneous_peak` judge torch's schedules exactly as ours.
 
 TORCH_SCHEDULES = ("ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 
@@ -134,27 +134,28 @@ def stages_of_rank(schedule: str, rank: int, n_ranks: int) -> list[int]:
     return [rank, 2 * n_ranks - 1 - rank] if schedule in V_SHAPED else [rank, rank + n_ranks]
 
 
-def course_actions(pipeline_order: Mapping[int, Sequence[Any]]) -> dict[int, list[Action]]:
+def course_actions(pipeline_order: Mapping[int, Sequence[Any]]) -> dict[int, list[Unit]]:
     """torch's compute actions as the course's: F is F, I (input gradient) is B, W is W, a full backward B.
 
-    DualPipeV's overlapped F+B pair becomes its two actions, one after the other (the
-    overlap hides communication, not compute); idle slots (None) are dropped.
+    DualPipeV's overlapped F&B (OVERLAP_F_B) stays one unit, :class:`Overlapped`: torch sends
+    its results after the whole pair, so neither half's output leaves early. Idle slots (None) and what is
+    not compute (REDUCE_GRAD, which a step adds to the order) are dropped.
     """
 
-    def expand(a: Any) -> Iterator[Action]:
+    def convert(a: Any) -> Action:  # a B without a W of its own is a full backward (simulate, execute)
         kind = a.computation_type.value
-        if a.sub_actions:
-            for sub in a.sub_actions:
-                yield from expand(sub)
-        elif kind in ("F", "W"):
-            yield Action(kind, a.microbatch_index, a.stage_index)
-        elif kind in ("I", "B"):  # a B without a W of its own is a full backward (simulate, execute)
-            yield Action("B", a.microbatch_index, a.stage_index)
+        return Action("B" if kind == "I" else kind, a.microbatch_index, a.stage_index)
 
-    return {rank: [c for a in order if a is not None for c in expand(a)] for rank, order in pipeline_order.items()}
+    def is_compute(a: Any) -> bool:
+        return a is not None and (bool(a.sub_actions) or a.computation_type.value in ("F", "I", "B", "W"))
+
+    def unit(a: Any) -> Unit:
+        return Overlapped(*map(convert, a.sub_actions)) if a.sub_actions else convert(a)
+
+    return {rank: [unit(a) for a in order if is_compute(a)] for rank, order in pipeline_order.items()}
 
 
-def torch_schedule_order(schedule: str, n_ranks: int, n_microbatches: int) -> dict[int, list[Action]]:
+def torch_schedule_order(schedule: str, n_ranks: int, n_microbatches: int) -> dict[int, list[Unit]]:
     """Every rank's actions in torch's `schedule` for p = n_ranks, without ranks: built once in a fake world."""
     parts = split_into_stages(course_model(), 2 * n_ranks)
     modules = {s: parts[s] for s in stages_of_rank(schedule, 0, n_ranks)}
@@ -171,7 +172,7 @@ def torch_schedule_step(
     *,
     model: nn.Sequential | None = None,
     group: dist.ProcessGroup | None = None,
-) -> tuple[list[float], dict[int, nn.Sequential], dict[int, list[Action]]]:
+) -> tuple[list[float], dict[int, nn.Sequential], dict[int, list[Unit]]]:
     """One step of torch's `schedule` (its class name, or the course's name of the same schedule) on this rank:
     (losses on the rank holding the last stage, its stage modules, every rank's actions as the course's)."""
     schedule = TORCH_NAMES.get(schedule, schedule)
@@ -216,7 +217,7 @@ def draw_schedule(
     try:
         actions = schedule_actions(schedule, stages, microbatches)
         ideal = simulate(actions, stages * v, t_forward=10, t_backward=20, t_weight=10)
-        held = sum(peak_in_flight(actions[0]).values()) / v
+        held = simultaneous_peak(actions[0]) / v
         title = f"ideal: bubble {bubble_fraction(ideal, stages):.3f}, rank 0 holds {held:g} micro-batches"
         plot_timeline(axes[0], ideal, stages, title)
     except ValueError as error:

@@ -24,6 +24,27 @@ class Action(NamedTuple):
         return f"{self.kind}{self.microbatch}@{self.stage}"
 
 
+class Overlapped(NamedTuple):
+    """DualPipe's F&B: one micro-batch's forward and another's backward, run as one unit. It starts when both
+    inputs are there and hands both results on at its end (DeepSeek's ``_forward_backward_chunk``; torch's
+    ``OVERLAP_F_B``, whose sends follow the whole pair), so its time is the pair's, "F&B" in DeepSeek-V3's Table 2.
+    """
+
+    forward: Action
+    backward: Action
+
+    def __repr__(self) -> str:
+        return f"({self.forward!r}&{self.backward!r})"
+
+
+Unit = Action | Overlapped  # what a rank runs as one: an action, or an overlapped pair
+
+
+def actions_of(units: Sequence[Unit]) -> list[Action]:
+    """The actions in `units`, an overlapped pair's forward before its backward."""
+    return [a for unit in units for a in (unit if isinstance(unit, Overlapped) else (unit,))]
+
+
 def gpipe_actions(stage: int, n_stages: int, n_microbatches: int) -> list[Action]:
     """GPipe: every forward, then every backward (all m activations are held at once)."""
     return [Action("F", mb, stage) for mb in range(n_microbatches)] + [
@@ -122,6 +143,22 @@ def zero_bubble_ideal(n_ranks: int, n_microbatches: int, n_virtual: int = 1) -> 
     return (p - 1) / (3 * n_virtual * m + p - 1)
 
 
+def dualpipev_bubble(
+    n_ranks: int, n_microbatches: int, t_forward: float = 1.0, t_backward: float = 2.0, t_weight: float = 1.0
+) -> float:
+    """DualPipeV's idle fraction from DeepSeek's formula: each rank idles (PP/2 - 1)(F&B + B - 3W), with PP = 2p
+    stages (two per rank), F, B (the full backward) and W the times of one stage, and F&B = F + B, the overlapped
+    pair's compute (github.com/deepseek-ai/DualPipe, README's table; DualPipe's row is DeepSeek-V3's Table 2).
+    Arguments are a rank's share, as in :func:`simulate`; the simulation reproduces it when t_F equals the input
+    gradient's time t_B - t_W."""
+    p, m = n_ranks, n_microbatches
+    if m < 2 * p:
+        raise ValueError(f"DualPipeV needs m >= 2p, its number of stages (here m={m}, p={p})")
+    forward, backward, weight = t_forward / 2, t_backward / 2, t_weight / 2  # one stage is half a rank's share
+    idle = (p - 1) * ((forward + backward) + backward - 3 * weight)
+    return idle / (m * (t_forward + t_backward) + idle)
+
+
 def validate(actions: dict[int, list[Action]], n_stages: int, n_microbatches: int) -> None:
     """Every forward and backward (and W, if any) of every (stage, micro-batch) exactly once, on its stage's rank."""
     n_ranks = len(actions)
@@ -143,16 +180,34 @@ def validate(actions: dict[int, list[Action]], n_stages: int, n_microbatches: in
                     raise ValueError(f"rank {stage % n_ranks}: {Action(kind, mb, stage)!r} is missing")
 
 
-def peak_in_flight(actions: Sequence[Action]) -> dict[int, int]:
-    """Per stage, the most micro-batches whose forward ran and whose backward has not (activations kept).
-
-    With a split backward, a micro-batch's activations are kept until its W (its weight gradient needs them).
-    """
+def _held_changes(units: Sequence[Unit]) -> list[tuple[int, int]]:
+    """(stage, +1 or -1 or 0) per action, in the rank's order: a micro-batch's activations are kept from its F
+    to its B, or to its W when the backward is split (W's weight gradient needs them). In an overlapped pair
+    the forward's activations exist before the backward frees its own."""
+    actions = actions_of(units)
     deferred = {(a.stage, a.microbatch) for a in actions if a.kind == "W"}
+    release = {a: "W" if (a.stage, a.microbatch) in deferred else "B" for a in actions}
+    return [(a.stage, 1 if a.kind == "F" else -1 if a.kind == release[a] else 0) for a in actions]
+
+
+def peak_in_flight(units: Sequence[Unit]) -> dict[int, int]:
+    """Per stage, the most micro-batches whose forward ran and whose backward (or W) has not: each stage's own
+    peak. A rank's stages reach theirs at different times, so their sum over-counts the rank: see
+    :func:`simultaneous_peak`."""
     held: dict[int, int] = {}
     peak: dict[int, int] = {}
-    for a in actions:
-        release = "W" if (a.stage, a.microbatch) in deferred else "B"
-        held[a.stage] = held.get(a.stage, 0) + (1 if a.kind == "F" else -1 if a.kind == release else 0)
-        peak[a.stage] = max(peak.get(a.stage, 0), held[a.stage])
+    for stage, change in _held_changes(units):
+        held[stage] = held.get(stage, 0) + change
+        peak[stage] = max(peak.get(stage, 0), held[stage])
+    return peak
+
+
+def simultaneous_peak(units: Sequence[Unit]) -> int:
+    """The most (stage, micro-batch) activations one rank holds at the same moment, over all its stages: the
+    rank's memory peak, as the papers count it per device. With v stages per rank each is 1/v of a whole
+    stage's, so divide by v for units of one-stage-per-rank micro-batches."""
+    held, peak = 0, 0
+    for _, change in _held_changes(units):
+        held += change
+        peak = max(peak, held)
     return peak

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
-from course_lib.pipeline.schedules import Action
+from course_lib.pipeline.schedules import Action, Overlapped, Unit, actions_of
 
 
 class Event(NamedTuple):
@@ -37,7 +37,7 @@ def _dependency(action: Action, n_stages: int) -> Action | None:
 
 
 def simulate(
-    actions: dict[int, list[Action]],
+    actions: Mapping[int, Sequence[Unit]],
     n_stages: int | None = None,
     *,
     t_forward: float = 1.0,
@@ -50,19 +50,29 @@ def simulate(
     `t_forward` / `t_backward` are the times of a whole rank's share of the model;
     with v stages per rank each action takes 1/v of it. A backward split in two (a B
     whose W is a separate action) gives `t_weight` to W and the rest to B (the defaults
-    give t_F = t_B = t_W = 1, as in the zero-bubble paper's analysis). Raises :class:`Deadlock`
-    (naming the waiting ranks) instead of hanging when the lists cannot finish.
+    give t_F = t_B = t_W = 1, as in the zero-bubble paper's analysis). An overlapped pair
+    (DualPipe's F&B) is one unit: it waits for both inputs, takes the time of its forward
+    plus its backward, and both results leave at its end. `latency` is added to every
+    message between ranks. Raises :class:`Deadlock` (naming the waiting ranks) instead
+    of hanging when the lists cannot finish.
     """
     n_ranks = len(actions)
     n_stages = n_stages or n_ranks
     per_rank = n_stages // n_ranks
-    deferred = {(a.stage, a.microbatch) for todo in actions.values() for a in todo if a.kind == "W"}
+    deferred = {(a.stage, a.microbatch) for todo in actions.values() for a in actions_of(todo) if a.kind == "W"}
 
     def duration(a: Action) -> float:  # a B whose W runs separately computes only the input gradient
         split = a.kind == "B" and (a.stage, a.microbatch) in deferred
         return {"F": t_forward, "B": t_backward - t_weight if split else t_backward, "W": t_weight}[a.kind] / per_rank
 
-    done: dict[Action, float] = {}  # action -> end time
+    def parts(unit: Unit) -> tuple[Action, ...]:
+        return tuple(unit) if isinstance(unit, Overlapped) else (unit,)
+
+    def missing(unit: Unit) -> Action | None:  # the first input of `unit` not computed yet
+        needs = (_dependency(a, n_stages) for a in parts(unit))
+        return next((need for need in needs if need is not None and need not in done), None)
+
+    done: dict[Action, tuple[float, int]] = {}  # action -> (end time, rank that ran it)
     position = {r: 0 for r in actions}
     free_at = {r: 0.0 for r in actions}
     events: list[Event] = []
@@ -70,25 +80,24 @@ def simulate(
     while progress:
         progress = False
         for rank, todo in actions.items():
-            while position[rank] < len(todo):
-                action = todo[position[rank]]
-                need = _dependency(action, n_stages)
-                if need is not None and need not in done:
-                    break
-                ready = 0.0 if need is None else done[need] + (latency if need.stage % n_ranks != rank else 0.0)
-                start = max(free_at[rank], ready)
-                free_at[rank] = done[action] = start + duration(action)
-                events.append(Event(rank, action, start, free_at[rank]))
+            while position[rank] < len(todo) and missing(todo[position[rank]]) is None:
+                unit = todo[position[rank]]
+                needs = [need for a in parts(unit) if (need := _dependency(a, n_stages)) is not None]
+                ready = [done[n][0] + (latency if done[n][1] != rank else 0.0) for n in needs]
+                end = max([free_at[rank], *ready])
+                for a in parts(unit):
+                    events.append(Event(rank, a, end, end + duration(a)))
+                    end += duration(a)
+                for a in parts(unit):  # an overlapped pair's results leave together, at its end
+                    done[a] = (end, rank)
+                free_at[rank] = end
                 position[rank] += 1
                 progress = True
-    stuck = {
-        r: (todo[position[r]], _dependency(todo[position[r]], n_stages))
-        for r, todo in actions.items()
-        if position[r] < len(todo)
-    }
+    stuck = {r: todo[position[r]] for r, todo in actions.items() if position[r] < len(todo)}
     if stuck:
-        parts = [f"rank {r} waits at {a!r} for {need!r}" for r, (a, need) in sorted(stuck.items())]
-        raise Deadlock("deadlock: " + "; ".join(parts), stuck)
+        waiting = {r: (parts(unit)[0], missing(unit)) for r, unit in sorted(stuck.items())}
+        text = [f"rank {r} waits at {unit!r} for {missing(unit)!r}" for r, unit in sorted(stuck.items())]
+        raise Deadlock("deadlock: " + "; ".join(text), waiting)
     return sorted(events, key=lambda e: (e.rank, e.start))
 
 
