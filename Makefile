@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 course: $(STAMP)      ## execute every notebook into build/course/ and print a summary table
-	$(PY) -m course_lib.course.runner --out build/course $(ARGS)
+	$(PY) -m tools.runner --out build/course $(ARGS)
 
 test: $(STAMP)        ## unit tests of course_lib (one world size each: 3 where a test covers several), and nbval: every notebook once
 	$(PY) -m pytest tests notebooks $(NBVAL) -m "not sweep" --ignore=tests/browser $(XDIST) --dist loadfile $(ARGS)
@@ -62,7 +62,7 @@ site: $(STAMP)        ## the executed course as a website in build/site/ (open b
 	@echo "the site: build/site/index.html ($$(ls build/site/[0-9]*.html | wc -l) notebook pages)"
 
 outputs: $(STAMP)     ## re-execute notebooks in place: the stored outputs nbval compares against
-	$(PY) -m course_lib.course.runner --inplace $(ARGS)
+	$(PY) -m tools.runner --inplace $(ARGS)
 
 benchmark: $(STAMP)   ## every script in benchmarks/, one table: figure, goal, measured
 	$(PY) benchmarks/run_all.py $(ARGS)

@@ -17,8 +17,8 @@ def pytest_collectstart(collector):
 
 @pytest.fixture
 def probe_kernel(tmp_path):
-    """A kernel in notebooks/ that runs a notebook's first cells alone (course_lib.course.probe)."""
-    from course_lib.course import probe, runner
+    """A kernel in notebooks/ that runs a notebook's first cells alone (tools.probe)."""
+    from tools import probe, runner
 
     kernel = probe.Kernel(runner.NOTEBOOKS, probe.kernel_env(tmp_path), tmp_path / "kernel-ipc")
     yield kernel

@@ -11,4 +11,4 @@ if [ ! -x .venv/bin/python ]; then
     echo "check_node.sh: no .venv yet: run 'make .venv/.installed' first (on a cluster, on the login node)" >&2
     exit 1
 fi
-exec .venv/bin/python -m course_lib.course.preflight "$@"
+exec .venv/bin/python -m tools.preflight "$@"

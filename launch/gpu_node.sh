@@ -33,4 +33,4 @@ if [ -n "${NPROC:-}" ]; then
 else
     CHOOSE=(--nproc-up-to "$GPUS")
 fi
-exec .venv/bin/python -m course_lib.course.runner "${CHOOSE[@]}" -p BACKEND nccl --out build/course-gpu "$@"
+exec .venv/bin/python -m tools.runner "${CHOOSE[@]}" -p BACKEND nccl --out build/course-gpu "$@"

@@ -22,7 +22,7 @@ from IPython.core.inputtransformer2 import TransformerManager
 from notebook_kit import fake_gpus_code
 
 from course_lib import params
-from course_lib.course import probe, runner
+from tools import probe, runner
 
 NOTEBOOKS = runner.find_notebooks([])
 GPU_COUNTS = (0, 1, 2, 4, 8)

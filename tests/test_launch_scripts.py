@@ -21,8 +21,8 @@ import nbformat
 import pytest
 from notebook_kit import fake_gpus_code, write_notebook
 
-from course_lib.course import probe, runner
 from course_lib.launch import backend
+from tools import probe, runner
 
 ROOT = runner.ROOT
 LAUNCH = ROOT / "launch"
@@ -91,9 +91,7 @@ def sandbox(tmp_path):
 
 
 def runner_calls(calls: list[dict]) -> list[list[str]]:
-    return [
-        c["argv"][2:] for c in calls if c["prog"] == "python" and c["argv"][:2] == ["-m", "course_lib.course.runner"]
-    ]
+    return [c["argv"][2:] for c in calls if c["prog"] == "python" and c["argv"][:2] == ["-m", "tools.runner"]]
 
 
 # ---- launch/gpu_node.sh ----------------------------------------------------------------------------

@@ -20,8 +20,8 @@ import nbformat
 import pytest
 from notebook_kit import write_notebook
 
-from course_lib.course import probe, runner
 from course_lib.exercises import PREDICTION_METADATA
+from tools import probe, runner
 from tools.editions import ANSWER
 
 NOTEBOOKS = runner.find_notebooks([])

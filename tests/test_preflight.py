@@ -13,7 +13,7 @@ import pytest
 import torch
 from notebook_kit import fake_gpus_code
 
-from course_lib.course import node, preflight, probe, runner
+from tools import node, preflight, probe, runner
 
 
 def by_topic(findings, topic):

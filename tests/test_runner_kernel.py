@@ -2,7 +2,7 @@
 
 zmq refuses an ipc:// path over 107 characters; Jupyter's runtime directory is HOME plus 29 characters, so under
 a cluster's long HOME a kernel with its sockets there cannot start. The runner keeps them in a short private
-directory (course_lib.course.probe.private_dir), and names the reason when a kernel is gone.
+directory (tools.probe.private_dir), and names the reason when a kernel is gone.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 import nbformat
 from notebook_kit import write_notebook
 
-from course_lib.course import probe, runner
+from tools import probe, runner
 
 LONG_HOME_NAME = "a-home-as-long-as-a-cluster-gives-" + "h" * 30  # with its parent: well over 50 characters
 

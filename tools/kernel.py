@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from course_lib.course import probe
+from tools import probe
 
 
 class KernelFailure(Exception):

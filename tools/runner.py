@@ -1,14 +1,14 @@
 """Execute the course's notebooks with papermill and report a summary table.
 
-    python -m course_lib.course.runner                     # every notebook -> build/course/
-    python -m course_lib.course.runner 03 -p NPROC 4       # one notebook (name prefix), 4 ranks
-    python -m course_lib.course.runner -p BACKEND nccl -p NPROC 8   # a GPU node
-    python -m course_lib.course.runner --nproc-up-to 8 -p BACKEND nccl   # each notebook at its largest NPROC <= 8
-    python -m course_lib.course.runner --inplace           # refresh the stored outputs nbval compares
+    python -m tools.runner                     # every notebook -> build/course/
+    python -m tools.runner 03 -p NPROC 4       # one notebook (name prefix), 4 ranks
+    python -m tools.runner -p BACKEND nccl -p NPROC 8   # a GPU node
+    python -m tools.runner --nproc-up-to 8 -p BACKEND nccl   # each notebook at its largest NPROC <= 8
+    python -m tools.runner --inplace           # refresh the stored outputs nbval compares
 
 Each notebook runs with notebooks/ as its working directory. With --nproc-up-to G, each notebook
 runs at the largest NPROC from G down to 1 that its own parameter check accepts (its setup cells
-run alone in a kernel first, see course_lib.course.probe); a notebook that accepts none is skipped,
+run alone in a kernel first, see tools.probe); a notebook that accepts none is skipped,
 with its reason. The table gives each notebook's NPROC and backend, and names the failing cell and
 rank. The exit status is non-zero when any notebook fails (a skipped one does not fail the run).
 """
@@ -30,9 +30,9 @@ from typing import Any
 
 import nbformat
 
-from course_lib.course import kernel, probe
+from tools import kernel, probe
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository (this file is course_lib/course/runner.py)
+ROOT = Path(__file__).resolve().parents[1]  # the repository (this file is tools/runner.py)
 NOTEBOOKS = ROOT / "notebooks"
 DEFAULT_OUT = ROOT / "build" / "course"
 RANK_ERRORS = ("RankFailedError", "RunTimeoutError")  # the launcher's errors, raised for failing ranks
@@ -213,7 +213,7 @@ def run_one(path: Path, output: Path, parameters: dict, args: argparse.Namespace
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m course_lib.course.runner",
+        prog="python -m tools.runner",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,6 +1,6 @@
 """Before class: can this machine (a GPU node or a laptop) run the course? One run, under a minute.
 
-    launch/check_node.sh                 # the same as: python -m course_lib.course.preflight
+    launch/check_node.sh                 # the same as: python -m tools.preflight
     launch/check_node.sh --no-plan       # without each notebook's NPROC (the probe's kernels)
 
 It reports the GPUs, driver, torch, CUDA and NCCL; each notebook's NPROC and backend as `make course` and
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from course_lib.course import probe, runner
-from course_lib.course.node import Node, all_reduce_busbw, gather, link_bandwidth
+from tools import probe, runner
+from tools.node import Node, all_reduce_busbw, gather, link_bandwidth
 
 OK, NOTE, PROBLEM = "ok", "note", "PROBLEM"
 TF32_OVERRIDE = "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"  # NGC containers set it; with fp32_precision="ieee" it raises

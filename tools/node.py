@@ -1,4 +1,4 @@
-"""What this machine has, for the preflight (course_lib.course.preflight): torch, its GPUs, the driver, the link
+"""What this machine has, for the preflight (tools.preflight): torch, its GPUs, the driver, the link
 between GPUs 0 and 1, and a 2-rank all-reduce's bus bandwidth measured with the course's own launcher.
 
 nvidia-smi answers what torch does not (the driver, the topology, PCIe's generation); without it those are None.
