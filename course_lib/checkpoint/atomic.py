@@ -1,10 +1,4 @@
-"""What makes a checkpoint complete or absent, shared by every saver and by the integrity checks.
-
-A save writes into ``step_N.tmp``; rank 0 renames it to ``step_N`` (:func:`_commit`) only when every
-rank's file and the metadata are on disk. A directory named ``step_N`` is therefore a finished save,
-one named ``step_N.tmp`` a save whose job died. Without a process group (or with ``no_dist=True``)
-the calling process is a world of one.
-"""
+"""What makes a checkpoint complete or absent, shared by every saver and by the integrity checks."""
 
 from __future__ import annotations
 

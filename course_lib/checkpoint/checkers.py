@@ -1,9 +1,5 @@
 """Notebook 06's exercise checkers: verify one checkpoint together, each rank reading its share; resume from the
-newest complete checkpoint.
-
-The solutions are in notebooks/solutions/06_checkpointing.py; the expected answers are
-built into each case's directories.
-"""
+newest complete checkpoint."""
 
 from __future__ import annotations
 
@@ -84,11 +80,7 @@ def _write_checkpoint(directory: Path, draw: random.Random, n_shards: int) -> di
 
 
 def _verify_cases(base: Path, seed: int, world_size: int) -> list[tuple[str, Path, bool, dict[str, int]]]:
-    """(what, directory, complete?, {file: bytes}) per case; the same on every rank (built from the same seed).
-
-    The checkpoints were saved by more ranks than verify them (world_size + 1 or + 2 shard files), and the damaged
-    file is drawn: a rank that checks only shard_<its rank>.bin, or only sizes, misses it.
-    """
+    """(what, directory, complete?, {file: bytes}) per case; the same on every rank (built from the same seed)."""
     draw = random.Random(seed)
     n_shards = world_size + 1 + draw.randrange(2)
     steps = iter(draw.sample(range(10, 1000), 8))
@@ -129,13 +121,7 @@ def _verify_cases(base: Path, seed: int, world_size: int) -> list[tuple[str, Pat
 
 def check_verify_together(verify_together: Callable[[str], Any]) -> None:
     """Exercise checker: every rank calls verify_together(directory) on the same checkpoint, for secret checkpoints
-    (complete, or with one damaged file drawn at every call) of more shard files than there are ranks.
-
-    Recorded on each rank during the call: the files it opens, the collectives it calls, and any call into
-    checkpoint.verify or latest_complete (refused: they read every file on every rank that calls them). Every rank
-    must return the same bool, the right one; together the ranks must open every file the metadata lists, and no
-    rank much more than its share: max(ceil(F/N) files, S_files/N + one file) bytes.
-    """
+    (complete, or with one damaged file drawn at every call) of more shard files than there are ranks."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     secret: list[Any] = [random.Random().randrange(2**63) if rank == 0 else None]
     dist.broadcast_object_list(secret)

@@ -1,8 +1,4 @@
-"""torch's distributed checkpoint (DCP): every rank writes its own shards, one index says where each piece lives.
-
-:class:`AppState` is what DCP saves and loads in place; :func:`dcp_save` commits atomically like every
-save here; :class:`AsyncCheckpointer` writes in the background while training goes on.
-"""
+"""torch's distributed checkpoint (DCP): every rank writes its own shards, one index says where each piece lives."""
 
 from __future__ import annotations
 
@@ -73,8 +69,7 @@ def dcp_save(root: str | os.PathLike, step: int, app: AppState) -> Path:
 
 def dcp_load(directory: str | os.PathLike, app: AppState) -> None:
     """Verify, then load into `app` in place (any world size: DCP reads the overlapping pieces).
-
-    The AppState.OPTIONAL values the checkpoint lacks are left out of the template (DCP would refuse them)."""
+    OPTIONAL values the checkpoint lacks are left out of the template: DCP would refuse them."""
     import torch.distributed.checkpoint as dcp
 
     verify(directory)

@@ -1,12 +1,4 @@
-"""The rank side of elastic training: the group may change size between any two starts of this program.
-
-torchrun's elastic agent restarts the whole group whenever membership changes: a node joins (the agent
-sees it waiting in the rendezvous and stops its workers) or a node leaves (its peers' collectives fail).
-Each start is a fresh process at a possibly different world size, so the program itself resumes from the
-newest complete DCP checkpoint, resharded to the new world size by DCP, and goes on with the same global
-batch. The run pauses at the `pauses` steps (after a checkpoint) until the membership changes, so the
-changes land at the same steps every time.
-"""
+"""The rank side of elastic training: the group may change size between any two starts of this program."""
 
 from __future__ import annotations
 
@@ -32,10 +24,7 @@ EVENTS = "events.jsonl"  # rank 0's log: one JSON object per line (start, step, 
 
 def join_group(backend: str, timeout_s: float) -> None:
     """init_process_group from torchrun's environment (env://): a fresh store per rendezvous round.
-
-    The agents may restart, so they run with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (launch.processes.agent_env):
-    rank 0 of each round hosts a new store, where nothing of the previous round's group (another world size) is left.
-    """
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: nothing of the previous round's group (another world size) is left."""
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
@@ -51,14 +40,7 @@ def _log(root: Path, entry: dict) -> None:
 
 
 def wait_for_membership_change(limit_s: float, on_ready: Callable[[], None] = lambda: None) -> None:
-    """Idle at a checkpoint until the group changes; this process never returns from here.
-
-    A tiny all-reduce on a gloo group every 0.2 s fails at once when a peer's process is gone (a node
-    left: the agent then restarts the group); when a node joins, the agent stops this process itself.
-    `on_ready` runs once every rank has made its first beat: from then on, killing any rank ends the rest
-    at once. (Before it, a rank killed inside `new_group` can leave a peer retrying the connection to it
-    for the whole process-group timeout.)
-    """
+    """Idle at a checkpoint until the group changes; this process never returns from here."""
     heartbeat_group = dist.new_group(backend="gloo")  # on NCCL too: gloo notices a dead peer at once
     beat = torch.zeros(1)
     dist.all_reduce(beat, group=heartbeat_group)

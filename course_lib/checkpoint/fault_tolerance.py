@@ -1,17 +1,4 @@
-"""Per-step fault tolerance with torchft: replica groups that keep training when one of them dies (rank side).
-
-torchrun's answer to a failure (section 8) is to restart the whole world from the last checkpoint. torchft
-(``pip install torchft``) keeps the survivors going: each *replica group* (here: one process) runs its own
-``torchft.Manager``; before every step the managers ask a **lighthouse** for a quorum, the replicas that answered
-form this step's process group (torchft's reconfigurable ``ProcessGroupGloo``), gradients are averaged over them
-(torchft's ``DistributedDataParallel``), and the optimizer steps only if every replica of the quorum says the
-step succeeded (torchft's ``Optimizer`` wrapper, ``should_commit``). A replica that joins late or comes back
-is behind: it *heals*, fetching the model and optimizer state from a peer that is up to date.
-
-:func:`train_replica` is one replica of the failure run; :func:`reference_losses` and :func:`step_losses` compare
-it with one process. ``local_sgd`` trains with fewer synchronisations; ``replicas`` starts the replicas from the
-kernel.
-"""
+"""Per-step fault tolerance with torchft: replica groups that keep training when one of them dies (rank side)."""
 
 from __future__ import annotations
 
@@ -38,11 +25,7 @@ LIGHTHOUSE = {"min_replicas": 1, "join_timeout_ms": 10_000, "quorum_tick_ms": 20
 
 def counting_gloo(timeout: timedelta) -> Any:
     """torchft's ProcessGroupGloo that records the payload of every all-reduce in `.allreduced` (bytes per call).
-
-    Why here and not with comms.Recorder: torchft's calls do reach the dispatcher as c10d ops, but its process
-    groups are built outside c10d's registry (a new one at every quorum), so the recorder cannot name their ranks
-    and refuses them. torchft's DDP, LocalSGD and DiLoCo all send through this one method.
-    """
+    Not comms.Recorder: torchft builds its groups outside c10d's registry, so the recorder cannot name their ranks."""
     from torchft import ProcessGroupGloo
 
     class CountingGloo(ProcessGroupGloo):
@@ -64,11 +47,7 @@ def _log(root: Path, replica: int, entry: dict) -> None:
 
 def wait_at_lighthouse(lighthouse: str, what: str, ready: Callable[[int, int], bool], limit_s: float) -> None:
     """Poll the lighthouse's status page until ``ready(asking, heartbeating)``: how many live replicas are asking
-    for the next quorum now, and how many send heartbeats.
-
-    Why the lighthouse and not a file beside it: a replica is in the quorum's reckoning only once the lighthouse
-    has *received* its heartbeat or its request, which comes later than anything the replica writes itself.
-    """
+    for the next quorum now, and how many send heartbeats."""
     import urllib.request
 
     deadline = time.monotonic() + limit_s
@@ -142,15 +121,7 @@ def train_replica(
     rejoining: bool = False,
     limit_s: float = 60.0,
 ) -> None:
-    """One replica group of one process: torchft's DDP and Optimizer around the course's MLP, `total_steps` steps.
-
-    Each step's global batch (:func:`course_lib.data.batch_for_step`) is split over the replicas of
-    that step's quorum, so the mathematics does not depend on how many take part. ``pause_at``: stop before that
-    step and wait to be killed. ``wait_for_rejoin_at``: before that step, wait until the lighthouse has a rejoining
-    replica's request to join. (Without it the newcomer joins at the first step it asks before the others: when every
-    member of the previous quorum asks, the lighthouse answers at once, a *fast quorum* that waits for no one else.)
-    Logs one JSON line per committed step to ROOT/replica_<r>.jsonl and saves the final weights to ROOT/replica_<r>.pt.
-    """
+    """One replica group of one process: torchft's DDP and Optimizer around the course's MLP, `total_steps` steps."""
     from torchft import DistributedDataParallel, Optimizer
 
     from course_lib.data import regression

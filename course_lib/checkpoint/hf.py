@@ -1,10 +1,4 @@
-"""Out to Hugging Face safetensors and back, through DCP; and two ways to start every layout from the same weights.
-
-A safetensors file is an 8-byte header length, a JSON header (each tensor's dtype, shape and byte range) and
-the raw bytes: any program loads it, no pickle, no torch. DCP writes it with ``HuggingFaceStorageWriter``:
-every rank its own shard, then rank 0 consolidates them into one file. ``HuggingFaceStorageReader`` reads
-it back into any layout: each rank reads the slices it holds.
-"""
+"""Out to Hugging Face safetensors and back, through DCP; and two ways to start every layout from the same weights."""
 
 from __future__ import annotations
 

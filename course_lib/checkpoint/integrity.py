@@ -1,9 +1,4 @@
-"""Is a checkpoint complete? And which one to resume from.
-
-:func:`verify` checks sizes and checksums (ours) or the byte ranges the index names (DCP's), and raises
-:class:`~course_lib.checkpoint.atomic.CheckpointError` naming the file and the problem;
-:func:`latest_complete` resumes from the newest checkpoint that passes.
-"""
+"""Is a checkpoint complete? And which one to resume from."""
 
 from __future__ import annotations
 
@@ -81,11 +76,7 @@ def files_of(directory: str | os.PathLike) -> list[tuple[str, int]]:
 
 def latest_complete(root: str | os.PathLike) -> tuple[Path | None, list[tuple[str, str]]]:
     """The newest committed checkpoint under `root` that passes :func:`verify`, and what was skipped (why).
-
-    Newest by step *number* (step_10 after step_9, which string order gets wrong); directories still named
-    .tmp are saves that never finished; a corrupt or truncated one is skipped, so the job falls back to
-    the one before it.
-    """
+    Newest by step number (string order puts step_9 after step_10); a corrupt one is skipped, so the job falls back."""
     root = Path(root)
     if not root.is_dir():
         return None, []

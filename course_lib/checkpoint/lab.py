@@ -235,11 +235,7 @@ def run_elastic(
     max_restarts: int = 3,
     timeout_s: float = 240.0,
 ) -> ElasticRun:
-    """Train on node 0 to `pauses[0]`, add node 1, train to `pauses[1]`, stop node 1, train to the end.
-
-    Raises TimeoutError after `timeout_s` seconds in all (and RuntimeError if an agent exits early), with
-    a note listing the processes still alive after every process was ended (none).
-    """
+    """Train on node 0 to `pauses[0]`, add node 1, train to `pauses[1]`, stop node 1, train to the end."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
@@ -322,10 +318,7 @@ def run_torchft(
     timeout_s: float = 120.0,
 ) -> TorchftRun:
     """Two replicas train; replica 1 is killed (SIGKILL, by recorded pid) before step `kill_at`; replica 0 trains on
-    alone; replica 1 starts again, heals from replica 0 at step `rejoin_at`, and both train to `total_steps`.
-
-    Raises TimeoutError after `timeout_s` seconds in all, with each replica's last log lines.
-    """
+    alone; replica 1 starts again, heals from replica 0 at step `rejoin_at`, and both train to `total_steps`."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()

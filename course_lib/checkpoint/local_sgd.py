@@ -1,10 +1,4 @@
-"""Fewer synchronisations with torchft: LocalSGD and DiLoCo against DDP, the bytes of every all-reduce counted.
-
-DDP averages the gradients every step. LocalSGD lets each replica take H optimizer steps on its own and then
-averages the weights; DiLoCo averages the change of the weights since the last synchronisation (a pseudo-gradient)
-and hands it to an outer optimizer. Both send 1/H of DDP's bytes per step; the price is the replicas' drift between
-synchronisations. :func:`train_synced` is the rank side; ``replicas.compare_sync`` starts two replicas.
-"""
+"""Fewer synchronisations with torchft: LocalSGD and DiLoCo against DDP, the bytes of every all-reduce counted."""
 
 from __future__ import annotations
 
@@ -55,14 +49,7 @@ def train_synced(
     replicas: int = 2,
     limit_s: float = 60.0,
 ) -> None:
-    """Train the same MLP `steps` steps once per entry of :data:`SYNC_RUNS`, with that entry's lighthouse.
-
-    "ddp": torchft's DDP, gradients averaged every step. "local_sgd": Adam steps on this replica's share of each
-    global batch, the weights averaged every H steps. "diloco": the same inner steps; every H steps the change of
-    the weights since the last synchronisation (the pseudo-gradient) is averaged and an outer optimizer applies it
-    (plain SGD with lr 1, or DiLoCo's Nesterov momentum, lr 0.7). Writes ROOT/synced_<r>.json: per run, the payload
-    of every all-reduce and, every 8 steps, the loss of the model on the whole data set.
-    """
+    """Train the same MLP `steps` steps once per entry of :data:`SYNC_RUNS`, with that entry's lighthouse."""
     from course_lib.data import batch_for_step, regression
     from course_lib.models import MLP
 

@@ -1,9 +1,5 @@
 """The shard files of our checkpointer: rows of tensors as raw bytes, with a CRC-32 per row.
-
-A loading rank reads only the rows it holds (one seek and one read per tensor and file), so it can check
-only what it read: hence one checksum per row rather than one per file. Every read goes through
-:func:`read_rows`, which counts its bytes; a rank's total is what :func:`load_sharded` reports.
-"""
+A loading rank reads only its rows, so it can check only what it read: one checksum per row, not per file."""
 
 from __future__ import annotations
 
@@ -44,10 +40,7 @@ def write_rows(file: BinaryIO, tensor: torch.Tensor, *, whole: bool = False) -> 
 def read_rows(
     directory: Path, chunk: dict[str, Any], entry: dict[str, Any], lo: int, hi: int, counter: list[int]
 ) -> torch.Tensor:
-    """Rows [lo, hi) (global row numbers) of a tensor from the saved `chunk` that holds them, checked.
-
-    Reads exactly those rows' bytes (added to counter[0]) and compares each row's CRC-32 with the metadata.
-    """
+    """Rows [lo, hi) (global row numbers) of a tensor from the saved `chunk` that holds them, checked."""
     dtype = getattr(torch, entry["dtype"])
     width = row_bytes(entry["shape"], dtype)
     first = chunk["rows"][0]

@@ -1,9 +1,4 @@
-"""A sharded checkpointer from scratch: each rank writes its rows, rank 0 the metadata, any world size loads.
-
-The same idea as DCP in about 250 lines, so the files DCP writes stop being magic. Only DTensors sharded
-on dim 0 over the whole world (what FSDP2 makes) are supported; :func:`shard_rows` is their rule and
-:func:`read_plan` says which saved files a loading rank reads.
-"""
+"""A sharded checkpointer from scratch: each rank writes its rows, rank 0 the metadata, any world size loads."""
 
 from __future__ import annotations
 
@@ -108,14 +103,7 @@ def _materialize(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def save_sharded(root: str | os.PathLike, step: int, state: dict[str, Any], *, no_dist: bool = False) -> Path:
-    """Save `state` (nested dicts of DTensors sharded on dim 0, plain tensors and Python values) as step_N.
-
-    Rank r writes shard_r.bin: the raw bytes of its rows of every DTensor; rank 0 also writes the plain
-    tensors there (they are the same on every rank) and the Python values to objects.pt. Rank 0 then
-    writes metadata.json (shapes, dtypes, which file holds which rows at which offset, a CRC-32 per row,
-    each file's size and SHA-256) and renames step_N.tmp to step_N: the commit.
-    Without a process group (or with no_dist=True), the calling process is a world of one.
-    """
+    """Save `state` (nested dicts of DTensors sharded on dim 0, plain tensors and Python values) as step_N."""
     from torch.distributed.tensor import DTensor
 
     rank, world_size = _rank_world(no_dist)
@@ -201,10 +189,7 @@ def read_my_rows(
 
 @dataclass
 class Loaded:
-    """What one rank read: per tensor the files it read rows from, and the bytes it read in all.
-
-    `bytes_read` = metadata.json + objects.pt + `row_bytes`, the bytes of the rows this rank holds.
-    """
+    """What one rank read: per tensor the files it read rows from, and the bytes it read in all."""
 
     files: dict[str, list[str]]
     bytes_read: int
@@ -212,15 +197,7 @@ class Loaded:
 
 
 def load_sharded(directory: str | os.PathLike, state: dict[str, Any]) -> Loaded:
-    """Fill `state` (same structure as when saved, at *any* world size) from a checkpoint, in place.
-
-    DTensors get the rows this rank holds now, read from whichever saved shards overlap them
-    (:func:`read_plan`); plain tensors get the whole tensor; Python values are replaced. Stateful
-    values are loaded through their `state_dict()` template and `load_state_dict()`, like DCP; the
-    Python values a Stateful lists in OPTIONAL are left out when the checkpoint has none.
-    Each rank reads only metadata.json, objects.pt and its own rows, and verifies what it reads: the
-    SHA-256 of objects.pt, the CRC-32 of every row. (`verify` is the whole-checkpoint check.)
-    """
+    """Fill `state` (same structure as when saved, at *any* world size) from a checkpoint, in place."""
     from torch.distributed.tensor import DTensor
 
     directory = Path(directory)

@@ -1,8 +1,4 @@
-"""The classic pattern: gather the full state, and rank 0 saves it in one file.
-
-Simple, and readable by any program (`torch.load`), but the whole model and optimizer state must fit
-in one process's memory, and one rank writes everything while the others wait.
-"""
+"""The classic pattern: gather the full state, and rank 0 saves it in one file."""
 
 from __future__ import annotations
 
