@@ -1,16 +1,4 @@
-"""course_lib.context_parallel (notebook 10): ring attention from scratch, and torch's context_parallel.
-
-layout          which tokens each rank holds (contiguous or zig-zag), for any sequence length; the causal
-                work of each rank at each ring step, and the rectangle it computes
-ring_attention  block attention, the online-softmax merge, RingAttention (forward and backward on the ring),
-                the bytes each rank sent, by kind, from a comms.Recorder (sent_by_kind)
-block           the course's TransformerBlock with ring attention, the gradient sum over the ranks
-cost            bytes per rank per layer, memory per rank, when the ring hides behind compute
-ulysses         Ulysses: an all-to-all from sequence- to head-sharded, local attention, and back; its bytes
-lab             one layer's forward + backward timed on a group; torch.distributed.tensor.experimental.context_parallel:
-                its layout (CPU too), its attention (GPU); kernel-only pictures and the explorer
-checkers        the exercises' checkers (solutions: notebooks/solutions/10_context_parallel.py)
-"""
+"""course_lib.context_parallel (notebook 10): ring attention from scratch, and torch's context_parallel."""
 
 from course_lib.context_parallel.block import ContextParallelAttention, ContextParallelBlock, sum_gradients
 from course_lib.context_parallel.checkers import check_heads_to_sequence, check_ring_forward

@@ -1,10 +1,5 @@
 """The course's TransformerBlock with context parallelism: each rank runs the block on its tokens only.
-
-Norms, projections and the feed-forward act token by token, so they run unchanged on a rank's tokens; only
-attention needs the other tokens, and gets them from the ring. Parameters are replicated, so each rank's
-gradient is the part from its own tokens: summed over the ranks (an all-reduce, as in data parallelism)
-they are the single-process gradients.
-"""
+Only attention needs other tokens (from the ring); replicated parameters' gradients are summed as in DDP."""
 
 from __future__ import annotations
 

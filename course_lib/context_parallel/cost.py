@@ -1,13 +1,4 @@
-"""Context parallelism on paper: bytes each rank sends per attention layer, memory it keeps, when the ring hides.
-
-Notation: S tokens, N ranks, b batch, h heads, d head dim, e bytes per element; rank r holds s_r tokens.
-A K/V block of rank j is 2·b·h·s_j·d·e bytes (K and V of its tokens).
-
-* forward: N - 1 hops; rank r sends every block but the one of rank r + 1 (which it receives last):
-  2·b·h·d·e·(S - s_{r+1}), i.e. 2·b·h·d·e·S·(N - 1)/N when N divides S.
-* backward: the K/V trip again, plus dK/dV for N hops (each block's gradient comes home): 2·b·h·d·e·S more.
-* saved for backward: q, k, v, out (b·h·s_r·d each) and the log-sum-exp (b·h·s_r): 1/N of one process's.
-"""
+"""Context parallelism on paper: bytes each rank sends per attention layer, memory it keeps, when the ring hides."""
 
 from __future__ import annotations
 
@@ -44,9 +35,5 @@ def saved_bytes(tokens: int, batch: int, heads: int, head_dim: int, element_size
 
 
 def overlap_tokens(flops_per_s: float, bytes_per_s: float, element_size: int, causal: bool = True) -> float:
-    """Tokens per rank above which one ring step's compute outlasts its message, so the ring is hidden.
-
-    A step multiplies c queries with c keys (q kᵀ, then p v): 4·b·h·c²·d flops, half of it under a causal
-    zig-zag mask; it sends 2·b·h·c·d·e bytes. Compute ≥ communication when c ≥ F·e / (2·B), or F·e / B causal.
-    """
+    """Tokens per rank above which one ring step's compute outlasts its message, so the ring is hidden."""
     return flops_per_s * element_size / ((1 if causal else 2) * bytes_per_s)

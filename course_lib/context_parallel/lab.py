@@ -32,10 +32,7 @@ def time_ring_step(
     repeats: int = 3,
     device: torch.device | str = "cpu",
 ) -> float:
-    """Median seconds of forward + backward of causal ring attention over `seq_len` tokens, slowest rank.
-
-    Every rank of `group` must call it. The first run warms up and is not timed.
-    """
+    """Median seconds of forward + backward of causal ring attention over `seq_len` tokens, slowest rank."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
     held = all_positions(layout, seq_len, n)
     torch.manual_seed(0)
@@ -75,11 +72,7 @@ def torch_positions(seq_len: int, mesh: DeviceMesh) -> torch.Tensor:
 def torch_ring_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, mesh: DeviceMesh
 ) -> list[torch.Tensor]:
-    """Causal attention of whole q, k, v (the same on every rank) under context_parallel, backward with dout.
-
-    Returns [output, dq, dk, dv], put back whole and in sequence order (context_parallel_unshard).
-    Needs a GPU attention kernel: on the CPU the attention call raises NotImplementedError.
-    """
+    """Causal attention of whole q, k, v (the same on every rank) under context_parallel, backward with dout."""
     from torch.distributed.tensor.experimental import context_parallel
     from torch.distributed.tensor.experimental._attention import context_parallel_unshard
 

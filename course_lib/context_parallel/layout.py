@@ -1,14 +1,4 @@
-"""Which tokens each rank holds: contiguous chunks, or the zig-zag layout that balances causal attention.
-
-* contiguous: the sequence cut into N chunks; rank r holds chunk r. With a causal mask the last rank's
-  queries see every key and the first rank's almost none: rank r does about 2r + 1 times rank 0's work.
-* zig-zag (torch's head-tail load balancer): the sequence cut into 2N chunks; rank r holds chunk r and
-  chunk 2N - 1 - r, one early and one late, so every rank does the same causal work.
-
-Chunks are cut as torch.tensor_split cuts (sizes differ by at most one), so any length works, not only
-multiples of N or 2N. Every rank can compute every rank's positions: no communication is needed to know
-which tokens a K/V block that arrives from another rank holds.
-"""
+"""Which tokens each rank holds: contiguous chunks, or the zig-zag layout that balances causal attention."""
 
 from __future__ import annotations
 
@@ -75,11 +65,7 @@ def causal_work(layout: str, seq_len: int, world_size: int) -> list[list[int]]:
 def visible_rectangle(
     q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows (queries) that see some key of a block, and the columns (keys) some query sees.
-
-    Ring attention computes only that rectangle. A zig-zag block from another rank is half visible, and its
-    visible half has no masked pair: a rank computes half a block per step instead of a whole one.
-    """
+    """The rows (queries) that see some key of a block, and the columns (keys) some query sees."""
     if not causal:
         return torch.arange(len(q_pos)), torch.arange(len(k_pos))
     if not len(q_pos) or not len(k_pos):

@@ -1,14 +1,4 @@
-"""Ring attention from scratch: queries stay home, K/V blocks travel around the ring, the online softmax merges.
-
-Rank r holds the queries, keys and values of its tokens (layout.py). At step t of N it holds the K/V block of
-rank (r - t) mod N: it computes its queries' attention to that block (block_attention) and merges it into its
-running output (merge_partials). The next block is already on its way while it computes: each step posts the
-send to rank r + 1 and the receive from rank r - 1 before the compute, and waits after it.
-
-Backward is a second trip around the ring: K/V travel again, and with them dK/dV, to which every rank adds its
-queries' share; after N hops the dK/dV of each block are back with its owner. sent_by_kind reads the bytes
-this rank sent, by kind, from a comms.Recorder.
-"""
+"""Ring attention from scratch: queries stay home, K/V blocks travel around the ring, the online softmax merges."""
 
 from __future__ import annotations
 
@@ -201,22 +191,13 @@ def ring_attention(
     group: dist.ProcessGroup | None = None,
     trace: list[dict] | None = None,
 ) -> torch.Tensor:
-    """This rank's rows of softmax(QKᵀ/√d)V over the whole sequence; q, k, v: (batch, heads, its tokens, d).
-
-    `held[j]` are the positions rank j of `group` holds (layout.all_positions); `trace`, when a list, gets
-    one entry per ring step (phase, step, owner of the K/V block, pairs computed).
-    """
+    """This rank's rows of softmax(QKᵀ/√d)V over the whole sequence; q, k, v: (batch, heads, its tokens, d)."""
     return RingAttention.apply(q, k, v, held, causal, group, trace)
 
 
 def sent_by_kind(rec: comms.Recorder) -> dict[str, int]:
     """Bytes this rank's ring attention sent, by kind (the keys of cost.ring_bytes), read from a recorder around
-    its forward and backward.
-
-    Forward sends K/V blocks only. Backward makes N hops on a ring of N ranks: each sends dK/dV, and each but the
-    last first posts the K/V block. So one layer's backward sends K/V, dK/dV, ..., K/V, dK/dV, dK/dV, 2N - 1
-    messages, the K/V at the even places but the last (the layers' backwards one after another, on one ring).
-    """
+    its forward and backward."""
     sends = [c for c in rec.calls if c.op == "send"]
     backward = [c for c in sends if c.phase == "backward"]
     per_layer = 2 * len(backward[0].group) - 1 if backward else 1

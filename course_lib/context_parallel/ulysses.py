@@ -1,17 +1,4 @@
-"""Ulysses sequence parallelism (DeepSpeed-Ulysses, Jacobs et al. 2023): split the heads, not the keys.
-
-Each rank holds its contiguous chunk of the sequence for every head. An all-to-all trades it for the whole sequence
-of h/N heads; attention runs locally, unchanged (any kernel, any mask: every rank sees every token of its heads);
-a second all-to-all trades the output back to this rank's tokens of every head. Backward runs the two exchanges in
-reverse (the all-to-all's gradient is the opposite all-to-all).
-
-Bytes per rank and layer, N ranks, S tokens, b·h·d·e per token of one tensor: each all-to-all keeps 1/N of its
-input and sends the rest, (N-1)/N · b·h·(S/N)·d·e. Forward: q, k, v in and the output back, 4 of them; backward: 4
-more, as many bytes as the forward. The ring sends 2·b·h·d·e·S·(N-1)/N forward and (2N-1)/(N-1) times that backward:
-Ulysses / ring = 2/N forward, 4(N-1)/(N(3N-2)) over forward and backward. Under grouped-query attention (h_kv K/V
-heads) the ring passes only the K/V heads: Ulysses / ring = (h/h_kv + 1)/N forward. Its limit: N must divide the
-query heads (past N = h_kv the K/V heads are replicated), where the ring splits any sequence over any N.
-"""
+"""Ulysses sequence parallelism (DeepSpeed-Ulysses, Jacobs et al. 2023): split the heads, not the keys."""
 
 from __future__ import annotations
 
