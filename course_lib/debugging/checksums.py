@@ -1,8 +1,4 @@
-"""Are the ranks' gradients identical? One checksum per parameter tensor, compared with MAX and MIN.
-
-Communication: two all-reduces of one float64 per parameter tensor, instead of the gradients
-themselves. The ranks agree on a tensor exactly when the MAX and the MIN of its checksum are equal.
-"""
+"""Are the ranks' gradients identical? One checksum per parameter tensor, compared with MAX and MIN."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""`DistributedDebugger`: a gradient-desync check, and NaN/Inf hooks that name where a non-finite value began.
-
-The desync check compares gradient checksums across ranks (:mod:`.checksums`); the hooks name the
-module, the phase and the rank where a NaN or Inf first appeared, before the all-reduce spreads it.
-"""
+"""`DistributedDebugger`: a gradient-desync check, and NaN/Inf hooks that name where a non-finite value began."""
 
 from __future__ import annotations
 
@@ -47,13 +43,7 @@ def _nonfinite(tensors: Any) -> int:
 
 
 class DistributedDebugger:
-    """Checks for a data-parallel model: are the ranks' gradients identical, and where did a NaN appear?
-
-    ``check_gradient_sync()`` is a collective: call it on every rank after backward (before the
-    optimizer step). ``watch_nonfinite()`` installs hooks that record (or raise at) the first module
-    whose forward output, backward gradient or parameter gradient holds a NaN or Inf, on this rank,
-    *before* the gradient all-reduce spreads it to every rank.
-    """
+    """Checks for a data-parallel model: are the ranks' gradients identical, and where did a NaN appear?"""
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None = None):
         self.model = getattr(model, "module", model)  # the plain model inside DDP

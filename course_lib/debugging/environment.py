@@ -66,10 +66,7 @@ _FINGERPRINT = re.compile(
 
 
 def mismatch_fingerprints(message: str) -> list[tuple[int, int, str, tuple[int, ...]]]:
-    """(rank, sequence number, collective, shape) for each rank named in a DETAIL mismatch error.
-
-    The full message also prints tensor options and is long; these four fields are what differ.
-    """
+    """(rank, sequence number, collective, shape) for each rank named in a DETAIL mismatch error."""
     return [
         (int(r), int(seq), op, tuple(int(s) for s in shape.replace(" ", "").split(",") if s))
         for r, seq, op, shape in _FINGERPRINT.findall(message)

@@ -1,11 +1,4 @@
-"""The flight recorder: each rank's ring buffer of its last collectives, dumped and read back.
-
-With ``TORCH_FR_BUFFER_SIZE=N`` (gloo and NCCL; ``TORCH_NCCL_TRACE_BUFFER_SIZE`` is its older name) every group
-records its last N collectives: sequence number, operation, sizes, state, and the Python stack that
-issued it. NCCL's watchdog writes the buffer to ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE<rank>`` when a
-collective times out (``TORCH_NCCL_DUMP_ON_TIMEOUT=1``); :func:`dump_when_asked` does the same on
-demand, from a thread, so it works while the main thread is stuck in a collective, on any backend.
-"""
+"""The flight recorder: each rank's ring buffer of its last collectives, dumped and read back."""
 
 from __future__ import annotations
 
@@ -71,11 +64,7 @@ class FlightRecord:
 def read_flight_records(
     directory: str | os.PathLike, prefix: str = "rank_", group: str = "0"
 ) -> dict[int, FlightRecord]:
-    """Every PREFIX<rank> dump in `directory`, by rank: the collectives of one process group.
-
-    `group` is the group's id as the dump names it: "0" for the default group, "1" for the first
-    `new_group`, and so on.
-    """
+    """Every PREFIX<rank> dump in `directory`, by rank: the collectives of one process group."""
     records = {}
     for path in sorted(Path(directory).glob(f"{prefix}*")):
         suffix = path.name[len(prefix) :]

@@ -1,12 +1,4 @@
-"""A hang, diagnosed from outside as an engineer would: stack dumps of every rank, then the flight recorder.
-
-The program under diagnosis calls :func:`arm_for_diagnosis` on every rank first: it leaves the rank's pid
-in a file and arms a thread that dumps the flight recorder on request. :func:`diagnose_hang` (kernel side)
-runs it, dumps every rank's stack with py-spy until two rounds in a row agree (idle threads, frames that
-did not move: the ranks are stuck, not slow; under NCCL a rank whose host waits for its GPU spins, and counts
-as stuck once its frames have not moved for 3 s), asks for the flight-recorder dumps, then ends the job as an
-interrupt would (every process of the run, by recorded pid and process group) and checks that none is left.
-"""
+"""A hang, diagnosed from outside as an engineer would: stack dumps of every rank, then the flight recorder."""
 
 from __future__ import annotations
 
@@ -93,11 +85,7 @@ def diagnose_hang(
     env: dict[str, str] | None = None,
     timeout: float = 180.0,
 ) -> HangDiagnosis:
-    """Run `body` (which calls ``arm_for_diagnosis(DIAGNOSIS_DIR)`` first, then hangs) and diagnose it.
-
-    Raises RuntimeError if the program finishes, the launcher's errors if a rank fails instead of
-    hanging, TimeoutError if the stacks never settle within 80% of `timeout` seconds.
-    """
+    """Run `body` (which calls ``arm_for_diagnosis(DIAGNOSIS_DIR)`` first, then hangs) and diagnose it."""
     import psutil
 
     from course_lib.launch import launch

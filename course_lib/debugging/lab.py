@@ -163,11 +163,7 @@ def memory_mb(device: torch.device | str = "cpu") -> float:
 
 @dataclass
 class StepMonitor:
-    """Per-step wall time, throughput (samples/s) and memory on one rank.
-
-    ``with monitor.step(samples):`` around each training step. On a GPU the step is closed with a
-    synchronize, so the time covers the kernels and not only their launch.
-    """
+    """Per-step wall time, throughput (samples/s) and memory on one rank."""
 
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     seconds: list[float] = field(default_factory=list)
@@ -262,13 +258,7 @@ def plot_steps(
 
 
 class LiveStepPlot:
-    """Kernel side: the per-step figure, redrawn in place while the ranks train.
-
-    Pass ``write=live.write`` and ``stream=True`` to launcher.launch: it reads the ranks'
-    ``step ...`` lines as they come. In JupyterLab the figure updates through a display handle;
-    headless (COURSE_HEADLESS=1, papermill, nbval) nothing is drawn until :meth:`finish`, which
-    draws the final figure from the values the ranks returned.
-    """
+    """Kernel side: the per-step figure, redrawn in place while the ranks train."""
 
     def __init__(self, nproc: int, samples_per_rank: int, live: bool | None = None, every_s: float = 0.5):
         from course_lib import viz

@@ -1,10 +1,4 @@
-"""Every rank's Python stack, read from outside the process: ``py-spy dump``, parsed into frames.
-
-py-spy attaches to a running process (ptrace: it needs root, or the same user with
-``kernel.yama.ptrace_scope`` 0) and prints each thread's Python stack without stopping the job
-for more than a moment. A rank stuck in a collective shows the collective on top of its stack;
-a rank that went elsewhere shows where it went.
-"""
+"""Every rank's Python stack, read from outside the process: ``py-spy dump``, parsed into frames."""
 
 from __future__ import annotations
 
@@ -100,11 +94,7 @@ def main_thread(text: str) -> ThreadStack:
 
 
 def describe(stack: ThreadStack, program: str = "cell.py", variables: tuple[str, ...] = ()) -> str:
-    """One line: the innermost frame, then every frame of `program` with its line and the named variables.
-
-    ``all_reduce (distributed_c10d.py) <- train (cell line 13, step=2) <- <module> (cell line 20)``.
-    Library frames in between, and the launcher's frames below the program, are left out.
-    """
+    """One line: the innermost frame, then every frame of `program` with its line and the named variables."""
     parts = []
     for i, frame in enumerate(stack.frames):
         if frame.basename == program:

@@ -1,10 +1,4 @@
-"""A straggler: one slow rank, and every other rank waiting for it in the gradient all-reduce.
-
-Data parallelism synchronises every step, so every rank's step takes as long as the slowest rank's:
-step times alone cannot say which rank is slow. Splitting each step into the rank's own work (forward,
-backward, and whatever slows it down) and its wait in the all-reduce can: the straggler works the
-longest and waits the least; the others wait for about the difference.
-"""
+"""A straggler: one slow rank, and every other rank waiting for it in the gradient all-reduce."""
 
 from __future__ import annotations
 
