@@ -1,12 +1,4 @@
-"""The communication of expert parallelism: counts first, then tokens, with all_to_all_single.
-
-A rank sends each kept assignment's token to the rank that holds its expert (dispatch) and gets the
-expert's output back (combine). How many rows go where differs per rank and per batch, so the
-receivers cannot know their buffer sizes: one all-to-all of the counts (E numbers per rank) comes first,
-then the tokens move with uneven split sizes. The backward of an all-to-all is the all-to-all with the
-split sizes swapped. sent_by_kind reads the bytes this rank sent to the other ranks, by kind, from a
-comms.Recorder.
-"""
+"""The communication of expert parallelism: counts first, then tokens, with all_to_all_single."""
 
 from __future__ import annotations
 
@@ -81,11 +73,7 @@ def torch_all_to_all(
 
 def sent_by_kind(rec: comms.Recorder) -> dict[str, int]:
     """Bytes this rank sent to the other ranks, by kind, read from a recorder around ExpertParallelMoE forwards
-    (and backwards): "counts", "dispatch", "combine", "combine backward", "dispatch backward", those that ran.
-
-    The counts are the all-to-alls of integers. Each forward then sends the tokens (dispatch) and the outputs back
-    (combine); each backward runs the two in reverse, combine's gradient first (one layer after another).
-    """
+    (and backwards): "counts", "dispatch", "combine", "combine backward", "dispatch backward", those that ran."""
     order = {"forward": ("dispatch", "combine"), "backward": ("combine backward", "dispatch backward")}
     seen = {"forward": 0, "backward": 0}
     sent: dict[str, int] = {}

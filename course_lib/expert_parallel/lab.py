@@ -45,11 +45,7 @@ def imbalance(routed_per_expert: torch.Tensor) -> float:
 
 
 def balanced_batch(tokens: int, n_experts: int, d_model: int) -> torch.Tensor:
-    """Tokens a router whose weights are the identity sends evenly: token t to experts t and t + 1 (mod E).
-
-    x_t = 2·u_{t mod E} + u_{(t+1) mod E} (u_i the unit vectors): the router's logits are x_t's first E
-    coordinates, so its top-2 are exactly those experts; with T a multiple of E every expert gets 2T/E.
-    """
+    """Tokens a router whose weights are the identity sends evenly: token t to experts t and t + 1 (mod E)."""
     if d_model < n_experts:
         raise ValueError(f"balanced_batch needs d_model >= n_experts, got {d_model} < {n_experts}")
     x = torch.zeros(tokens, d_model)

@@ -1,9 +1,4 @@
-"""A mixture-of-experts layer on one process, and the same with its experts sharded over ranks.
-
-y_t = Σ over the kept assignments (t, i) of gate_{t,i} · expert_{e_{t,i}}(x_t). The experts are the course's
-FeedForward. With expert parallelism rank r holds experts [r·E/N, (r+1)·E/N); the router is replicated; each
-rank routes its own tokens, sends them to their experts' ranks and gets the outputs back (dispatch.py).
-"""
+"""A mixture-of-experts layer on one process, and the same with its experts sharded over ranks."""
 
 from __future__ import annotations
 

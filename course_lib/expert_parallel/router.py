@@ -1,15 +1,4 @@
-"""The router of a mixture-of-experts layer: top-k experts per token, capacity, and the load-balancing loss.
-
-* the router is one linear layer: p = softmax(x W_r) over the E experts; each token goes to its k most probable
-  experts, and each expert's output is weighted by its probability (the "gate", as in the Switch Transformer,
-  so the task loss trains the router too);
-* capacity: an expert takes at most C = ceil(capacity_factor · T·k / E) of the T·k assignments of a batch;
-  the rest are dropped (that token gets nothing from that expert; the residual carries it). First choices
-  queue before second choices, then by token order;
-* load-balancing loss (Switch Transformer): E · Σ_e f_e · P_e, f_e the share of assignments routed to e,
-  P_e the mean router probability of e. It is 1 when both are uniform and grows when the router favours
-  a few experts; its gradient flows through P_e (f_e is a count).
-"""
+"""The router of a mixture-of-experts layer: top-k experts per token, capacity, and the load-balancing loss."""
 
 from __future__ import annotations
 

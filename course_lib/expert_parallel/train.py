@@ -1,10 +1,4 @@
-"""A short training run of an expert-parallel MoE, to watch the load balance with and without the auxiliary loss.
-
-The tokens share a common direction (as real embeddings do), so even an untrained router prefers a few
-experts. The task (fit tanh(x A)) gives the router no reason to spread the tokens; the load-balancing loss
-does. Every rank draws its own tokens; the router's gradients are averaged over the ranks (it is
-replicated, as in data parallelism) and each expert's gradient already holds every rank's tokens.
-"""
+"""A short training run of an expert-parallel MoE, to watch the load balance with and without the auxiliary loss."""
 
 from __future__ import annotations
 
