@@ -1,7 +1,4 @@
-"""Notebook 07's exercise checkers: DiLoCo's outer step in one all-reduce; every rank resumes from rank 0's choice.
-
-The solutions are in notebooks/solutions/07_fault_tolerance.py; the expected answers are computed here.
-"""
+"""Notebook 07's exercise checkers: DiLoCo's outer step in one all-reduce; every rank resumes from rank 0's choice."""
 
 from __future__ import annotations
 
@@ -131,11 +128,7 @@ def _judge_outer(
 
 
 def _resume_views(base: Path, rank: int, world_size: int) -> list[tuple[str, Path, int | None]]:
-    """Per case: this rank's view of the checkpoint directory, and the step rank 0's view resumes from.
-
-    Each node sees the shared directory with a lag, or has its own disk: rank 0's newest complete
-    checkpoint (a random step, drawn on rank 0) is missing, uncommitted or truncated in the other ranks' views.
-    """
+    """Per case: this rank's view of the checkpoint directory, and the step rank 0's view resumes from."""
 
     def save(root: Path, step: int) -> Path:
         return save_sharded(root, step, {"weights": torch.arange(4.0) + step, "step": step}, no_dist=True)
@@ -167,11 +160,7 @@ def _resume_views(base: Path, rank: int, world_size: int) -> list[tuple[str, Pat
 
 def check_agreed_resume_step(resume_step: Callable[[str], Any]) -> None:
     """Exercise checker: every rank must return the step rank 0's newest complete checkpoint has (or None).
-
-    Each rank gets its own view of the directory (see _resume_views), so a rank that decides alone
-    resumes from another step than rank 0. After each case the ranks agree on whether anyone was wrong,
-    so they stop together.
-    """
+    Each rank gets its own view of the directory, so a rank that decides alone resumes from another step."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     with tempfile.TemporaryDirectory() as base:
         for what, root, expected in _resume_views(Path(base), rank, world_size):
