@@ -1,11 +1,5 @@
 """Notebook 03, section 8: torch.compile with FSDP2, two orders.
-
-FSDP2 runs its work in module hooks (all-gather before a unit's forward, reshard after it, reduce-scatter in
-backward) and wraps each hook in `torch._dynamo.disable`: Dynamo never traces into a hook, so a graph that reaches one
-breaks there. Compiling each block before `fully_shard` (torchtitan's order) puts the graphs exactly between the
-hooks; compiling the whole model after `fully_shard` lets Dynamo find the same cuts by breaking its graph at them.
-The comparison with eager training is `course_lib.ddp.compiled_against_eager`, with these as its `parallelize`.
-"""
+FSDP2's hooks are dynamo-disabled, so graphs break at them; compiling blocks first puts graphs between the hooks."""
 
 from __future__ import annotations
 

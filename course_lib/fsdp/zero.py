@@ -1,29 +1,4 @@
-"""Notebook 03: ZeRO stages 0-3 from scratch, on the ring collectives of notebook 01.
-
-:class:`ZeroModel` wraps a model. Every module that owns parameters (a *unit*: here each
-``nn.Linear``) has its parameters concatenated into one flat vector, cut with
-``torch.tensor_split(flat, N)`` (the first ``numel % N`` chunks one element longer, no padding),
-and rank r keeps chunk r as an ``nn.Parameter`` called ``shard``. The optimizer is built on
-``model.parameters()``, i.e. on the shards only, so it steps (and keeps Adam state for) 1/N of the
-model. What else a rank holds depends on the stage:
-
-======  ================================  ====================================  =========================
-stage   parameters held                   gradients held                        communication per unit
-======  ================================  ====================================  =========================
-0       full (the shard *is* the whole)   full, all-reduced                     1 all-reduce
-1       full copy + shard                 full, all-reduced; shard's slice      1 all-reduce + 1 all-gather
-2       full copy + shard                 shard only (reduce-scattered)         1 reduce-scatter + 1 all-gather
-3       shard only; full only while used  shard only (reduce-scattered)         2 all-gathers + 1 reduce-scatter
-======  ================================  ====================================  =========================
-
-Stages 1 and 2 refresh their full copy with one all-gather at the start of each forward (the
-updated shards of the last step); stage 3 all-gathers a unit right before its forward and again
-right before its backward, and drops the full parameters after each.
-
-The collectives are :func:`course_lib.collectives.ring_reduce_scatter` and
-:func:`~course_lib.collectives.ring_all_gather`: their chunking is exactly ``tensor_split``, so
-uneven sizes need no padding and no exchange of sizes.
-"""
+"""Notebook 03: ZeRO stages 0-3 from scratch, on the ring collectives of notebook 01."""
 
 from __future__ import annotations
 
@@ -37,10 +12,7 @@ from course_lib.collectives import chunk_sizes, ring_all_gather, ring_all_reduce
 
 
 def collectives_per_step(stage: int, units: int, clip: bool = False) -> dict[str, int]:
-    """The formula the counts are checked against: collective calls per training step.
-
-    clip: ZeroModel.clip_grad_norm_ adds one all-reduce (of a scalar) in stages 1-3, where each rank holds part of
-    the gradient."""
+    """The formula the counts are checked against: collective calls per training step."""
     calls = {
         0: {"all_reduce": units},
         1: {"all_reduce": units, "all_gather": units},
@@ -162,11 +134,7 @@ class _UnitFunction(torch.autograd.Function):
 
 class ZeroModel(nn.Module):
     """ZeRO stage 0-3 data parallelism of `module`: every parameter-owning submodule becomes a
-    :class:`ShardedUnit`. Build the optimizer *after* wrapping, on ``ZeroModel.parameters()``.
-
-    All ranks must start from the same weights (seeded models do); each rank feeds its own
-    micro-batch, and gradients are averaged over ranks, as in DDP.
-    """
+    :class:`ShardedUnit`. Build the optimizer *after* wrapping, on ``ZeroModel.parameters()``."""
 
     def __init__(self, module: nn.Module, stage: int = 3, group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
