@@ -1,16 +1,4 @@
-"""Notebook 15, the capstone: a small GPT trained on the course's own prose in every layout of the course.
-
-snapshot     the data set: the course's markdown at one commit, written once to course_text.txt
-text         character tokens, the fixed train/validation split, a loader that gives each dp rank its rows
-model        the GPT: embeddings, the course's TransformerBlocks, a head tied to the token table; FLOPs
-layouts      one process, DDP, FSDP2, FSDP2 x TP, PP x FSDP2 x TP (one function per mesh dimension); compiled
-train        the training run every layout shares (the counted step, the timed steps, checkpoints)
-checkpoints  DCP save/load with notebook 06's AppState, and a fingerprint of the whole state
-measure      FLOPs counted, the matmul limit, a GPU's peak, bytes sent (comms.Recorder)
-predict      memory per rank and bytes per step from the course's calculators (memory, compose.plan)
-lab          a %%torchrun cell's run: train and measure; evaluation and samples; the kernel's table and figures
-checkers     the exercises' checkers (solutions: notebooks/solutions/15_capstone_gpt.py)
-"""
+"""Notebook 15, the capstone: a small GPT trained on the course's own prose in every layout of the course."""
 
 from course_lib.gpt.checkers import check_embedding_group, check_rows_on_mesh
 from course_lib.gpt.checkpoints import fingerprint, load, save

@@ -1,10 +1,4 @@
-"""Checkpoint and resume for the capstone, with notebook 06's DCP pieces (AppState, dcp_save, dcp_load).
-
-DCP stores every tensor by its name in the whole model, whatever layout saved it, so a run saved on a
-(dp, tp) mesh loads into plain FSDP2 on another number of ranks: each rank reads the pieces of its new
-shards. :func:`fingerprint` hashes the whole state (model and optimizer, gathered), so "the resumed run
-starts from exactly the saved state" is one comparison of two strings.
-"""
+"""Checkpoint and resume for the capstone, with notebook 06's DCP pieces (AppState, dcp_save, dcp_load)."""
 
 from __future__ import annotations
 

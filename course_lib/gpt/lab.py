@@ -45,11 +45,7 @@ def _gathered(value: Any) -> list[Any]:
 def run_layout(
     layout: Layout, steps: int, device: torch.device | str = "cpu", **options: Any
 ) -> tuple[dict[str, Any], nn.Module]:
-    """Train `layout` for `steps` steps on this rank (options: global_batch, lr, save_at, checkpoint, resume).
-
-    On a CPU every rank runs one thread: one process uses one core, N ranks share the machine's cores.
-    Returns (summary, this rank's model).
-    """
+    """Train `layout` for `steps` steps on this rank (options: global_batch, lr, save_at, checkpoint, resume)."""
     from torch._dynamo.utils import counters
 
     device = torch.device(device)
@@ -168,9 +164,7 @@ def speed_table(summaries: list[dict[str, Any]]) -> str:
 
 def compiled_against_eager(eager: dict[str, Any], compiled: dict[str, Any]) -> str:
     """One line: tokens/s and achieved / limit of an eager run and of its compiled twin, and the ratio of the latter.
-
-    Each run is held against the limit measured during it: on a shared machine two runs see different loads, and
-    achieved / limit compares them where their tokens/s alone would not."""
+    Each run is held against the limit measured during it: on a shared machine tokens/s alone do not compare."""
     e, c = achieved(eager), achieved(compiled)
     return (
         f"{compiled['layout'].describe()}: tokens/s {e['tokens_per_s']:.0f} -> {c['tokens_per_s']:.0f}; "

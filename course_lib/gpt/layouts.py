@@ -1,21 +1,4 @@
-"""The capstone's layouts: one GPT, parallelized by applying one function per mesh dimension.
-
-    one process      the model as it is
-    DDP              DistributedDataParallel over "dp" (notebook 02)
-    FSDP2            compose.apply_fsdp over "dp": each block, then the root (embeddings and head; notebook 03)
-    FSDP2 x TP       compose.apply_tp over "tp" inside every block, then FSDP2 over "dp" (notebook 13)
-    PP x FSDP2 x TP  this stage's blocks (compose.stage_blocks, notebook 09), then TP, then FSDP2
-
-The mesh and its sizes are notebook 13's: a layout is a `compose.Dims` with a name and its options.
-
-A layout may also be compiled (`compiled=True`): each block is compiled in place before DDP or FSDP2 wraps it
-(:func:`apply_compile`, torchtitan's way), so the data-parallel hooks stay outside the compiled code.
-
-The embeddings and the head are not tensor-parallel (they are small here): the tp ranks of a group hold them
-whole and compute the same values. With pipeline stages the token table is used twice, by the first stage
-(embedding) and by the last (head): each holds a copy, and :func:`sync_tied_gradients` adds the two gradients
-so both copies take the same step (Megatron's "embedding group").
-"""
+"""The capstone's layouts: one GPT, parallelized by applying one function per mesh dimension."""
 
 from __future__ import annotations
 

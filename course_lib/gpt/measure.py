@@ -1,10 +1,4 @@
-"""What the capstone measures on a rank: FLOPs (counted and by formula), the matmul limit, a GPU's peak.
-
-- :func:`counted_flops`: torch's FlopCounterMode over a forward and backward, with the CPU's flash-attention
-  kernels given the formula torch already uses for the GPU's;
-- :func:`matmul_flops`: the FLOP/s square matmuls get on this rank, now (the machine's limit here);
-- :func:`device_peak_flops`: a GPU's data-sheet bf16 dense peak, for MFU;
-"""
+"""What the capstone measures on a rank: FLOPs (counted and by formula), the matmul limit, a GPU's peak."""
 
 from __future__ import annotations
 

@@ -1,10 +1,4 @@
-"""A small decoder-only transformer (GPT) built from the course's TransformerBlock.
-
-tokens -> token embedding + position embedding -> n_layers x TransformerBlock -> LayerNorm -> logits, where the
-output projection is the token embedding itself (weight tying: one (vocab, d_model) table reads tokens in and
-scores them out). Every piece is seeded on its own, so a pipeline stage that builds only its pieces holds exactly
-the weights the whole model has there, and a last stage's copy of the tied table equals the first stage's.
-"""
+"""A small decoder-only transformer (GPT) built from the course's TransformerBlock."""
 
 from __future__ import annotations
 
@@ -132,10 +126,7 @@ def count_parameters(config: GPTConfig) -> dict[str, int]:
 
 def flops_per_token(config: GPTConfig) -> int:
     """Training FLOPs per token: 6 x the matmul weights (forward 2, backward 4), plus attention's two
-    (seq x seq) products per layer, 12 * n_layers * d_model * seq (PaLM's count: not halved for the causal mask).
-
-    Not counted: biases, norms, softmax, the embedding lookup (no multiply), the optimizer.
-    """
+    (seq x seq) products per layer, 12 * n_layers * d_model * seq (PaLM's count: not halved for the causal mask)."""
     c = config
     return 6 * count_parameters(c)["matmul"] + 12 * c.n_layers * c.d_model * c.seq
 

@@ -1,12 +1,4 @@
-"""What the course's calculators predict for each layout of the capstone: memory per rank and bytes per step.
-
-Memory: memory.zero_bytes_per_gpu (notebook 03) for the parameters this rank's part of the model holds
-before data-parallel sharding (its stage, its tp shard of every block), fp32 Adam: 4 + 4 + 8 bytes per
-parameter; ZeRO stage 0 for one process and DDP, 3 for FSDP2.
-Bytes: compose.plan (notebook 13) for the blocks, plus FSDP2's root unit (embeddings, final norm, head),
-which FSDP2 does not reshard after forward (gathered once per step), plus, with pipeline stages, the
-all-reduce of the tied table's gradients between the first and the last stage.
-"""
+"""What the course's calculators predict for each layout of the capstone: memory per rank and bytes per step."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""Write the capstone's text: the markdown of the course's notebooks at one commit, as one UTF-8 file.
-
-    .venv/bin/python -m course_lib.gpt.snapshot            # rewrites course_lib/gpt/course_text.txt from SNAPSHOT_REV
-
-The snapshot is taken once and committed (course_text.txt), so the data set is versioned with the code, is there
-offline, and does not change when a lesson's prose does. Rerunning this script at SNAPSHOT_REV gives the same bytes
-(tests/test_gpt.py checks it where the history is at hand).
-"""
+"""Write the capstone's text: the markdown of the course's notebooks at one commit, as one UTF-8 file."""
 
 from __future__ import annotations
 

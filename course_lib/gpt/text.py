@@ -1,11 +1,4 @@
-"""The capstone's data: the course's own prose (course_text.txt), character tokens, and a loader per rank.
-
-The text is split once: the first 90% of the characters train, the last 10% validate. A step's global batch
-is `global_batch` windows of `seq + 1` characters at random places of the training text, drawn from a
-generator seeded with (seed, step): the same windows whatever the layout, the number of ranks, or whether the
-run was resumed. Each data-parallel rank takes its rows of that batch (`tensor_split`: shares differ by at
-most one row when the ranks do not divide the batch).
-"""
+"""The capstone's data: the course's own prose (course_text.txt), character tokens, and a loader per rank."""
 
 from __future__ import annotations
 
@@ -99,13 +92,7 @@ def validation_windows(val: torch.Tensor, seq: int) -> tuple[torch.Tensor, torch
 
 
 def entropy_baselines(tokens: torch.Tensor) -> dict[str, float]:
-    """Nats per character of two models that need no training, fitted on `tokens`:
-
-    - "uniform": every character equally likely, ln(vocab);
-    - "unigram": each character with its frequency (a model that ignores context);
-    - "bigram": each character given the one before it (one character of context).
-    A transformer whose validation loss is below the unigram entropy has learned to use context.
-    """
+    """Nats per character of two models that need no training, fitted on `tokens`:"""
     counts = Counter(tokens.tolist())
     n = len(tokens)
     unigram = -sum(c / n * math.log(c / n) for c in counts.values())

@@ -1,11 +1,4 @@
-"""One training run of the capstone, the same in every layout: what a rank runs inside a %%torchrun cell.
-
-:func:`train` builds the layout's model on this rank, then runs `steps` optimizer steps on the same global
-batches (text.ShardedBatches) whatever the layout. Step 1 (the second) is recorded with comms.Recorder:
-the bytes this rank sends, by mesh dimension; the other steps after the first are timed. It returns the
-global loss of every step (the same list on every rank), this rank's measurements, and optionally saves a
-DCP checkpoint after `save_at` steps or starts from one.
-"""
+"""One training run of the capstone, the same in every layout: what a rank runs inside a %%torchrun cell."""
 
 from __future__ import annotations
 
@@ -89,14 +82,7 @@ def train_layout(layout: Layout, steps: int, global_batch: int = 16, lr: float =
           config: GPTConfig | None = None, device: torch.device | str = "cpu", *,
           save_at: int | None = None, checkpoint: str | None = None, resume: bool = False,
           after_step: Callable[[int], None] | None = None) -> dict[str, Any]:  # fmt: skip
-    """`steps` steps of `layout` on this rank (from step 0, or from the checkpoint when resume=True).
-
-    `after_step(step)` runs after every step, outside the timed span (run_layout measures the matmul limit there).
-    Returns {"losses": the global loss of each step run, "first_step", "step_seconds": {step: seconds} of the timed
-    steps (all but the job's first and the counted one),
-    "sent": bytes this rank sent in the counted step by dimension, "held": memory.held_bytes after the run,
-    "fingerprint": of the model and optimizer after `save_at` steps or after loading}.
-    """
+    """`steps` steps of `layout` on this rank (from step 0, or from the checkpoint when resume=True)."""
     from course_lib import comms
     from course_lib.gpt.checkpoints import fingerprint, load, save
     from course_lib.memory import held_bytes
