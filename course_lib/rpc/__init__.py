@@ -1,15 +1,4 @@
-"""Notebook 12: remote procedure calls (torch.distributed.rpc).
-
-- :mod:`.agent`: `start`, init_rpc under the course's worker names ("server", "trainer<r>");
-- :mod:`.remote_functions`: the small remote functions and the remote model of the first examples;
-- :mod:`.train`: the model, data and data-parallel reference the parameter servers are compared with;
-- :mod:`.parameter_server`: the batching (sync) and lock-per-update (async) servers and their driver;
-- :mod:`.distributed_autograd`: a forward across three workers, backward and step on every owner;
-- :mod:`.lab`: round trips timed on a worker, the alpha-beta fit; the servers' loss curves against the reference
-  (kernel-only);
-- :mod:`.checkers`: the exercises' checkers (a counter behind an RRef; a rendezvous on its owner).
-- :mod:`.monarch_actors`: section 9, a single controller with Monarch (imported on its own: it loads monarch).
-"""
+"""Notebook 12: remote procedure calls (torch.distributed.rpc)."""
 
 from course_lib.rpc.agent import start
 from course_lib.rpc.checkers import Counter, Rendezvous, check_counter, check_join_round

@@ -1,13 +1,5 @@
 """Starting the RPC agent under the course's worker names.
-
-Everything a worker calls on another worker lives in this package, at module level: RPC
-pickles a function or class *by reference* (module + name), so the callee must be able
-to import it. A function defined in a notebook cell exists only in the kernel, never in
-the ranks.
-
-Worker names follow one convention: rank 0 is ``"server"``, rank r > 0 is
-``"trainer{r}"``.
-"""
+RPC pickles functions by reference, so what a worker calls lives here at module level, never in a notebook cell."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
 """The exercises of notebook 12, checked on the workers: a counter held behind an RRef, updated by every
-trainer (implement), and a rendezvous whose round future is completed for every caller (diagnose).
-
-The checkers and the functions they send to the workers; the solutions are in notebooks/solutions/12_rpc.py.
-"""
+trainer (implement), and a rendezvous whose round future is completed for every caller (diagnose)."""
 
 from __future__ import annotations
 

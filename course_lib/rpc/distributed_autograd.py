@@ -1,7 +1,4 @@
-"""Distributed autograd: a forward across three workers, its backward, and a step on every owner.
-
-:func:`distributed_training_step` must reproduce :func:`local_training_step`, the same step in one process.
-"""
+"""Distributed autograd: a forward across three workers, its backward, and a step on every owner."""
 
 from __future__ import annotations
 
@@ -26,13 +23,7 @@ def three_stage_model() -> list[nn.Module]:
 
 
 class PythonSGD(torch.optim.SGD):
-    """torch.optim.SGD under another name, for DistributedOptimizer.
-
-    For the optimizer classes it knows (SGD, Adam, ...) DistributedOptimizer compiles a
-    TorchScript functional optimizer on every owner, and TorchScript support is deprecated
-    (it warns). For any other class it runs the ordinary Python optimizer on each owner.
-    Same update, no deprecated path.
-    """
+    """torch.optim.SGD under another name, for DistributedOptimizer."""
 
 
 @contextlib.contextmanager
@@ -61,9 +52,7 @@ class Stage(nn.Module):
 
 
 def stage_gradients(stage_rref: rpc.RRef, context_id: int) -> list[torch.Tensor]:
-    """Runs on the stage's owner: the gradients distributed autograd accumulated there.
-
-    They live in the context, not in `.grad` (which stays None)."""
+    """Runs on the stage's owner: the gradients distributed autograd accumulated there."""
     grads = dist_autograd.get_gradients(context_id)
     return [grads[p].clone() for p in stage_rref.local_value().parameters()]
 

@@ -15,10 +15,7 @@ from course_lib.rpc.remote_functions import echo
 
 def rpc_latency(peer: str, sizes_bytes: list[int], repeats: int = 7, warmup: int = 3) -> dict[int, float]:
     """Fastest round-trip time (seconds) of rpc_sync(echo) of a float32 tensor of each size.
-
-    The sizes are visited in alternating rounds, so drift of a shared machine hits all alike; the fastest round is
-    kept because load only ever adds time (a median of a loaded machine can rank 8 bytes above 4 MiB).
-    """
+    The fastest of alternating rounds: load only ever adds time."""
     tensors = {n: torch.zeros(max(1, n // 4)) for n in sizes_bytes}
     for _ in range(warmup):
         rpc.rpc_sync(peer, echo, args=(tensors[sizes_bytes[0]],))
@@ -32,11 +29,7 @@ def rpc_latency(peer: str, sizes_bytes: list[int], repeats: int = 7, warmup: int
 
 
 def fit_latency_model(latency: dict[int, float]) -> tuple[float, float]:
-    """alpha (s) and beta (s per byte) of t(n) = alpha + 2n*beta, notebook 01's notation (2n: there and back).
-
-    alpha: the smallest round trip measured (a few bytes cost nothing else);
-    beta: from the largest size, where the per-byte term dominates. 1/beta is the bandwidth (bytes/s).
-    """
+    """alpha (s) and beta (s per byte) of t(n) = alpha + 2n*beta, notebook 01's notation (2n: there and back)."""
     sizes = sorted(latency)
     alpha = min(latency.values())
     largest = sizes[-1]

@@ -1,14 +1,4 @@
-"""A single controller with Monarch: actors on a process mesh, driven from the notebook's own process.
-
-The notebook (the *controller*) runs the program; it spawns a mesh of processes, an actor in each, and calls the
-actors' endpoints. Actor classes live here, in an importable module: a spawned process unpickles a call by
-importing the class, as RPC's callees do (section 2).
-
-- :class:`Worker`: the actor of section 9 (state that stays between calls, a gloo group, a failure on purpose);
-- :func:`process_mesh`: a mesh of n processes for one ``async with`` block; it records their pids, sees the failures
-  Monarch reports to the controller, and stops the processes (and checks they are gone) when the block ends;
-- :func:`endpoint_round_trip`: what one endpoint call costs, timed like section 7's ``rpc_sync``.
-"""
+"""A single controller with Monarch: actors on a process mesh, driven from the notebook's own process."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""Two parameter servers: one server holds the model, trainers send gradients and get parameters.
-
-:class:`BatchingParameterServer` waits for every trainer and steps once per round (it equals
-data-parallel training); :class:`LockingParameterServer` applies each gradient at once, under a
-lock (asynchronous, with stale gradients). :func:`run_parameter_server` runs either on the server.
-"""
+"""Two parameter servers: one server holds the model, trainers send gradients and get parameters."""
 
 from __future__ import annotations
 
@@ -28,12 +23,7 @@ from course_lib.rpc.train import (
 
 class BatchingParameterServer:
     """Synchronous server: waits for one gradient from every trainer, averages, steps once.
-
-    `update_and_fetch` is an `@rpc.functions.async_execution` function: it returns a
-    `torch.futures.Future` at once, so the RPC thread goes back to the pool while the
-    trainer's reply waits for the round to complete. A version that blocked (waited on a
-    condition variable) would hold one server thread per waiting trainer.
-    """
+    `update_and_fetch` returns a Future at once, so a waiting trainer does not hold a server thread."""
 
     def __init__(self, n_trainers: int, lr: float):
         self.model = make_model()

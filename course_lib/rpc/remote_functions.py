@@ -1,7 +1,4 @@
-"""Small remote functions and a remote model: the first examples of notebook 12.
-
-Module level, so every worker can import them by name (see :mod:`course_lib.rpc.agent`).
-"""
+"""Small remote functions and a remote model: the first examples of notebook 12."""
 
 from __future__ import annotations
 
@@ -53,12 +50,7 @@ def wait_for_slow_call(timeout_s: float = 10.0) -> bool:
 
 @contextlib.contextmanager
 def captured_stderr() -> Iterator[io.StringIO]:
-    """Collect what this process's RPC threads print to stderr.
-
-    When a remote function raises, torch prints the traceback on the *callee*
-    (rpc/internal.py, with absolute file paths) before sending the exception
-    back. Inside this block it is collected instead, so a cell can summarise it.
-    """
+    """Collect what this process's RPC threads print to stderr."""
     buffer = io.StringIO()
     with contextlib.redirect_stderr(buffer):
         yield buffer

@@ -1,9 +1,4 @@
-"""The training both parameter servers run, and the data-parallel reference they are compared with.
-
-One model (the course MLP, small), one data set, and a fixed split of each step's global batch
-between trainers: the server, the trainers and the single-process reference all build from here,
-so the comparison is exact.
-"""
+"""The training both parameter servers run, and the data-parallel reference they are compared with."""
 
 from __future__ import annotations
 
@@ -24,10 +19,7 @@ _MODEL_BUILD_LOCK = threading.Lock()
 
 def make_model() -> nn.Sequential:
     """The course MLP, small: 32 -> 32 -> 32 -> 8.
-
-    MLP seeds the global RNG and then draws the weights from it: two RPC threads building
-    models at once would interleave their draws and get different weights. One at a time.
-    """
+    One at a time: MLP draws from the global RNG, and two RPC threads at once would interleave their draws."""
     with _MODEL_BUILD_LOCK:
         return MLP(d_in=32, d_hidden=32, d_out=8, n_layers=2, seed=0)
 
@@ -74,11 +66,7 @@ def snapshot(model: nn.Module) -> list[torch.Tensor]:
 
 
 def set_average_gradient(model: nn.Module, gradients: Sequence[list[torch.Tensor]]) -> None:
-    """Each parameter's `.grad` = the mean of the trainers' gradients for it, summed in the order given.
-
-    A fixed order makes the result deterministic: the server (trainers sorted) and the reference
-    agree bit for bit, whatever order the gradients arrived in.
-    """
+    """Each parameter's `.grad` = the mean of the trainers' gradients for it, summed in the order given."""
     for i, p in enumerate(model.parameters()):
         total = gradients[0][i].clone()
         for grads in gradients[1:]:
@@ -89,10 +77,7 @@ def set_average_gradient(model: nn.Module, gradients: Sequence[list[torch.Tensor
 def data_parallel_reference(
     n_trainers: int, steps: int = 40, batch_size: int = 16, lr: float = 1.0
 ) -> tuple[list[torch.Tensor], list[float]]:
-    """Single process: what data-parallel training (DDP) computes with the same data.
-
-    DDP averages the trainers' gradients (all-reduce, then divide by N) and every rank
-    takes the same SGD step. Returns (final parameters, per-step mean loss)."""
+    """Single process: what data-parallel training (DDP) computes with the same data."""
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
