@@ -1,13 +1,4 @@
-"""Async tensor parallelism, from scratch: the all-gather before a column-parallel matmul, cut into the ranks' chunks.
-
-With sequence parallelism a column-parallel layer starts with an all-gather of the sequence: y = all_gather(x) Wᵀ.
-Plain, the matmul waits for the whole gather. Cut instead into the N chunks the ranks hold and pass them around a
-ring: at step t rank r multiplies the chunk it holds (rank r - t's rows) while it sends that chunk on and receives
-the next one. Every rank still receives (N-1)/N of the gathered input, but every message travels during a matmul.
-torch's fused ops on GPUs (`torch.ops.symm_mem.fused_all_gather_matmul`, and inductor's micro-pipeline TP pass that
-rewrites a compiled graph to them) have the same overlap with one-hop pulls: after a symmetric-memory barrier each
-rank copies every peer's shard straight from that peer's buffer, on a second stream, rather than relaying a ring.
-"""
+"""Async tensor parallelism from scratch: the all-gather before a column-parallel matmul, cut into chunks."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""The exercises of notebook 08, checked on the ranks: the split operator's backward, a row-parallel forward.
-
-The solutions are in notebooks/solutions/08_tensor_parallel.py, not here.
-"""
+"""The exercises of notebook 08, checked on the ranks: the split operator's backward, a row-parallel forward."""
 
 from __future__ import annotations
 
@@ -25,11 +22,7 @@ _AUTOGRAD_GATHER = (
 
 
 def check_split_backward(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """fn(grad_slice) -> gradient of the whole input of the split operator.
-
-    A RowParallelLinear whose input is not yet split uses `fn` as the backward of its split; the input
-    gradient must equal single-process autograd's on every rank. Layer and input are on the rank's device.
-    """
+    """fn(grad_slice) -> gradient of the whole input of the split operator."""
     rank, n = dist.get_rank(), dist.get_world_size()
     device = rank_device()
     torch.manual_seed(0)
@@ -90,12 +83,7 @@ def check_split_backward(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
 
 
 def check_row_parallel_forward(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
-    """fn(x_slice, weight_slice, bias) -> y = x Wᵀ + b, whole, on every rank.
-
-    Rank r holds only its slice of the input features (x_slice, weight_slice: data no other rank has) and
-    the replicated bias, on the rank's device; the result must equal the unsharded layer's on every rank, for
-    two widths, and the calls are recorded: a rank may send no more than one ring all-reduce of the output.
-    """
+    """fn(x_slice, weight_slice, bias) -> y = x Wᵀ + b, whole, on every rank."""
     rank, n = dist.get_rank(), dist.get_world_size()
     device = rank_device()
     for seed, rows in ((0, 3), (1, 5)):

@@ -1,12 +1,4 @@
-"""Column- and row-parallel linear layers from scratch, and the course's TransformerBlock built from them.
-
-* column-parallel: rank r holds rows r of W (a slice of the *outputs*); every rank needs the whole x,
-  and produces its slice of y with no communication.
-* row-parallel: rank r holds columns r of W (a slice of the *inputs*); it multiplies its slice of x
-  and the partial products are summed with one all-reduce.
-
-Column then row (MLP up/down, attention q/k/v then o) needs one all-reduce forward.
-"""
+"""Column- and row-parallel linear layers from scratch, and the course's TransformerBlock built from them."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""The communication of a tensor-parallel layer, as autograd operators (Megatron-LM's f and g).
-
-    copy_to_parallel     forward: identity     backward: all-reduce   (before a column-parallel layer)
-    reduce_from_parallel forward: all-reduce   backward: identity     (after a row-parallel layer)
-
-plus a split operator (take my slice forward, all-gather backward) for a row-parallel layer whose
-input is not yet split, and its reverse. A ``comms.Recorder`` sees every collective they issue.
-"""
+"""The communication of a tensor-parallel layer, as autograd operators (Megatron-LM's f and g)."""
 
 from __future__ import annotations
 
@@ -71,10 +64,7 @@ def gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> 
 
 
 class SplitToParallel(torch.autograd.Function):
-    """Forward: keep my slice of the last dim. Backward: all-gather the slices' gradients.
-
-    `backward_fn` is the backward used (the exercise swaps in the learner's).
-    """
+    """Forward: keep my slice of the last dim. Backward: all-gather the slices' gradients."""
 
     @staticmethod
     def forward(
