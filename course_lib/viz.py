@@ -1,10 +1,4 @@
-"""What notebooks display: library source, figures, and parameter explorers.
-
-`show` puts the library's real code on the page (the notebook never pastes a
-copy). `explore` is an ipywidgets explorer in JupyterLab; when the notebook is
-executed headless (the runner and the tests set COURSE_HEADLESS=1) it draws the
-default view as a plain figure, so executed notebooks keep a picture.
-"""
+"""What notebooks display: library source, figures, and parameter explorers."""
 
 from __future__ import annotations
 
@@ -21,17 +15,18 @@ def show(obj: Any) -> None:
     display(Code(inspect.getsource(obj), language="python"))
 
 
+def label_box(ax: Any, x: float, y: float, text: str, color: str = "lightblue", **options: Any) -> None:
+    """`text` in a rounded box centred on (x, y): a rank or a store in the course's diagrams."""
+    options.setdefault("fontsize", 8)
+    ax.text(x, y, text, ha="center", va="center", bbox=dict(boxstyle="round", facecolor=color), **options)
+
+
 def headless() -> bool:
     return os.environ.get("COURSE_HEADLESS") == "1"
 
 
 def explore(draw: Callable[..., None], **controls: Any) -> None:
-    """`draw(**values)` under sliders/dropdowns, redrawn when one moves.
-
-    Each control is `(min, max, step, default)` for an int slider, or a list of
-    options (first is the default). `draw` is called with the controls' values only,
-    so it may take more arguments, bound beforehand (`functools.partial(draw, data=...)`).
-    """
+    """`draw(**values)` under sliders/dropdowns, redrawn when one moves."""
     defaults = {name: _default(spec) for name, spec in controls.items()}
     if headless():
         draw(**defaults)
