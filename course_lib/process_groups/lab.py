@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from course_lib import viz
+
 # Kernel side (figures only): the global rank of every process of a multi-node job.
 
 
@@ -34,25 +36,9 @@ def draw_rendezvous(world_size: int) -> None:
     n = world_size
     fig, (ax_store, ax_backend) = plt.subplots(1, 2, figsize=(9, 2.6))
     xs = [(r + 0.5) / n for r in range(n)]
-    ax_store.text(
-        0.5,
-        0.85,
-        "store (TCPStore)\nMASTER_ADDR:MASTER_PORT",
-        ha="center",
-        va="center",
-        fontsize=8,
-        bbox=dict(boxstyle="round", facecolor="khaki"),
-    )
+    viz.label_box(ax_store, 0.5, 0.85, "store (TCPStore)\nMASTER_ADDR:MASTER_PORT", "khaki")
     for r, x in enumerate(xs):
-        ax_store.text(
-            x,
-            0.12,
-            f"rank {r}",
-            ha="center",
-            va="center",
-            fontsize=8,
-            bbox=dict(boxstyle="round", facecolor="lightblue"),
-        )
+        viz.label_box(ax_store, x, 0.12, f"rank {r}")
         ax_store.annotate("", (0.5 + (x - 0.5) * 0.4, 0.72), (x - 0.02, 0.22), arrowprops=dict(arrowstyle="->"))
         ax_store.annotate(
             "",
@@ -63,16 +49,7 @@ def draw_rendezvous(world_size: int) -> None:
         ax_store.text(x, 0.0, f"set note/{r}\nget note/{(r + 1) % n}", ha="center", va="top", fontsize=7)
     ax_store.set_title("1. rendezvous: the ranks meet at the store", fontsize=9)
     for r, x in enumerate(xs):  # the backend: a connection between every pair (gloo: TCP; NCCL: NVLink, IB)
-        ax_backend.text(
-            x,
-            0.5 + 0.3 * (-1) ** r,
-            f"rank {r}",
-            ha="center",
-            va="center",
-            fontsize=8,
-            bbox=dict(boxstyle="round", facecolor="lightblue"),
-            zorder=2,
-        )
+        viz.label_box(ax_backend, x, 0.5 + 0.3 * (-1) ** r, f"rank {r}", zorder=2)
         for s in range(r + 1, n):
             ax_backend.plot([x, xs[s]], [0.5 + 0.3 * (-1) ** r, 0.5 + 0.3 * (-1) ** s], color="gray", zorder=1)
     ax_backend.set_title("2. init_process_group: the backend links the ranks", fontsize=9)
@@ -101,15 +78,7 @@ def draw_mesh(dp: int, tp: int, names: tuple[str, str] = ("dp", "tp")) -> None:
             color="tab:red",
         )
         for j in range(tp):
-            ax.text(
-                j + 0.45,
-                y + 0.5,
-                f"rank {i * tp + j}",
-                ha="center",
-                va="center",
-                fontsize=9,
-                bbox=dict(boxstyle="round", facecolor="lightblue"),
-            )
+            viz.label_box(ax, j + 0.45, y + 0.5, f"rank {i * tp + j}", fontsize=9)
     for j in range(tp):
         ax.add_patch(plt.Rectangle((j + 0.02, -0.02), 0.86, dp + 0.04, fill=False, edgecolor="tab:blue", ls="--"))
         ax.text(
