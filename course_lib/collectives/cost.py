@@ -8,12 +8,7 @@ from course_lib import comms
 
 
 def bytes_sent_per_rank(collective: str, nbytes: float, world_size: int) -> float:
-    """Bytes each rank sends, for a tensor of `nbytes` (the full, unsharded size), ring algorithms.
-
-    all_reduce 2(N-1)/N; all_gather and reduce_scatter (N-1)/N; broadcast 1 (pipelined chain:
-    every rank but the last forwards the whole tensor once): for the ring these are the bus
-    factors, by design. Naive all-reduce: (N-1) at rank 0.
-    """
+    """Bytes each rank sends, for a tensor of `nbytes` (the full, unsharded size), ring algorithms."""
     if collective == "naive_all_reduce":
         return float(world_size - 1) * nbytes
     return comms.sent_per_rank(collective.removeprefix("ring_"), nbytes, world_size)
@@ -59,10 +54,7 @@ def fit_alpha_beta(
     collective: str, nbytes: Sequence[float], seconds: Sequence[float], world_size: int
 ) -> tuple[float, float]:
     """Fit alpha (s) and beta (s/byte) of :func:`alpha_beta_time` to measured times.
-
-    Least squares on the relative error, so the small messages (which fix alpha) count as much as
-    the large ones (which fix beta). A negative estimate is clamped to zero.
-    """
+    Least squares on the relative error, so the small messages (alpha) count as much as the large ones (beta)."""
     import numpy as np
 
     messages = alpha_beta_time(collective, 1.0, world_size, 1.0, 0.0)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from course_lib import viz
 from course_lib.collectives.cost import alpha_beta_time, bus_factor, bytes_sent_per_rank
 from course_lib.collectives.ring import naive_all_reduce, ring_all_reduce, ring_step
 from course_lib.launch.runtime import rank_device, synchronize
@@ -116,12 +117,7 @@ def describe_chunks(values: torch.Tensor, world_size: int) -> str:
 
 
 def ring_all_reduce_states(world_size: int) -> list[dict]:
-    """Simulate the ring all-reduce without any process: what each rank holds after each step.
-
-    Returns one entry per step (2(N-1) steps, plus the start): `holds[r][c]` is the set of ranks
-    whose contribution chunk c on rank r contains, and `sends[r]` the chunk rank r sends at this
-    step (None at the start). Uses :func:`ring_step`, the schedule the real code runs.
-    """
+    """Simulate the ring all-reduce without any process: what each rank holds after each step."""
     n = world_size
     holds = [[frozenset([r]) for _ in range(n)] for r in range(n)]
     states: list[dict[str, Any]] = [{"phase": "start", "step": None, "sends": [None] * n, "holds": holds}]
@@ -143,10 +139,7 @@ def ring_all_reduce_states(world_size: int) -> list[dict]:
 
 
 def draw_ring_step(world_size: int, step: int, ax: Axes | None = None) -> Axes:
-    """Grid of ranks × chunks after `step` (0 = start) of the ring all-reduce; arrows: what was sent.
-
-    A cell's shade is how many ranks' contributions it holds (dark = all N: fully reduced).
-    """
+    """Grid of ranks × chunks after `step` (0 = start) of the ring all-reduce; arrows: what was sent."""
     import matplotlib.pyplot as plt
 
     states = ring_all_reduce_states(world_size)
@@ -199,10 +192,7 @@ def draw_ring_step(world_size: int, step: int, ax: Axes | None = None) -> Axes:
 def draw_holdings(
     ax: Axes, values: Sequence, title: str, vmax: float | None = None, columns: int | None = None
 ) -> None:
-    """One row per rank, one cell per element, the value written in it; None = nothing defined.
-
-    `columns` fixes the width (in cells) so panels of different lengths share one scale.
-    """
+    """One row per rank, one cell per element, the value written in it; None = nothing defined."""
     import matplotlib.pyplot as plt
 
     rows = [None if v is None else [float(x) for x in torch.as_tensor(v).reshape(-1)] for v in values]
@@ -226,10 +216,7 @@ def draw_holdings(
 
 
 def draw_before_after(held: Sequence[tuple[Any, Any]], title: str) -> Figure:
-    """Two panels, one row per rank in each: every rank's buffer before and after a collective.
-
-    `held[r]` is rank r's (before, after), None where the collective reads or defines nothing there.
-    """
+    """Two panels, one row per rank in each: every rank's buffer before and after a collective."""
     import matplotlib.pyplot as plt
 
     shown = [torch.as_tensor(v).reshape(-1) for pair in held for v in pair if v is not None]
@@ -273,16 +260,7 @@ def draw_deadlock(world_size: int) -> None:
     at = [(math.sin(2 * math.pi * r / n), math.cos(2 * math.pi * r / n)) for r in range(n)]
     fig, ax = plt.subplots(figsize=(3.2, 3.2))
     for r, (x, y) in enumerate(at):
-        ax.text(
-            x,
-            y,
-            f"rank {r}\nin recv",
-            ha="center",
-            va="center",
-            fontsize=8,
-            bbox=dict(boxstyle="round", facecolor="mistyrose"),
-            zorder=2,
-        )
+        viz.label_box(ax, x, y, f"rank {r}\nin recv", "mistyrose", zorder=2)
         lx, ly = at[(r - 1) % n]
         ax.annotate(
             "",
@@ -363,12 +341,7 @@ def benchmark(
     warmup: int = 1,
 ) -> list[dict]:
     """Time each collective at each size on every rank; call on all ranks.
-
-    Runs alternate (size by size, one run of each collective in turn, `repeats` rounds), so slow
-    phases of a shared machine hit every collective alike. A run's time is the slowest rank's
-    (all_reduce MAX). Returns, on every rank, one row per (name, size): median seconds, algorithm
-    bandwidth size/time and bus bandwidth (nccl-tests conventions, size = full tensor bytes).
-    """
+    Runs alternate size by size, so slow phases of a shared machine hit every collective alike."""
     device = torch.device(device)
     n = dist.get_world_size()
     calls = collective_calls(n)

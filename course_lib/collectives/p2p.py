@@ -1,7 +1,4 @@
-"""Point-to-point plumbing of the from-scratch collectives: one exchange with both neighbours at once.
-
-Their bytes are counted by :class:`course_lib.comms.Recorder`, which sees every send.
-"""
+"""Point-to-point plumbing of the from-scratch collectives: one exchange with both neighbours at once."""
 
 from __future__ import annotations
 
@@ -18,12 +15,7 @@ def send_recv(
     send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group: dist.ProcessGroup | None = None
 ) -> None:
     """Send `send` to dst while receiving `recv` from src, both at once.
-
-    batch_isend_irecv posts both before waiting, so a ring where every rank sends
-    to its right and receives from its left cannot deadlock (on NCCL it also
-    groups them into one launch). Empty tensors are skipped: both sides know the
-    chunk sizes, so they skip the same message.
-    """
+    batch_isend_irecv posts both before waiting, so a ring of such exchanges cannot deadlock."""
     ops = []
     if send.numel():
         ops.append(dist.P2POp(dist.isend, send, peer(group, dst), group))

@@ -1,23 +1,4 @@
-"""Notebook 01: the ring collectives, built from send/recv only, so every byte they move is visible.
-
-Reduce-scatter and all-gather are the two halves later notebooks reuse (FSDP shards
-parameters with :func:`ring_all_gather` and gradients with
-:func:`ring_reduce_scatter`):
-
-* :func:`ring_reduce_scatter` (tensor) -> this rank's chunk of the reduced tensor
-* :func:`ring_all_gather` (chunk, sizes) -> the full flat tensor, every rank's chunk in rank order
-* :func:`ring_all_reduce` (tensor) -> the same tensor, reduced in place (reduce-scatter, then all-gather)
-
-Chunks follow ``torch.tensor_split(flat, world_size)``: when the number of
-elements is not divisible by the world size, the first ``numel % world_size``
-chunks hold one element more (see :func:`chunk_sizes`). Every rank can compute
-every chunk's size, so no sizes need to be exchanged.
-
-:func:`ring_step` is the schedule (which chunk each rank sends and receives at
-step k); the implementation and the notebook's step-by-step figure both use it.
-:func:`reduce_scatter_step_` and :func:`all_gather_step_` are one step each, in place on a
-flat buffer: the phases loop over them, and the notebook runs them one at a time on live ranks.
-"""
+"""Notebook 01: the ring collectives, built from send/recv only, so every byte they move is visible."""
 
 from __future__ import annotations
 
@@ -147,11 +128,7 @@ def _ring_all_gather_(flat: torch.Tensor, offsets: list[int], group: dist.Proces
 def ring_reduce_scatter(
     tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
-    """Reduce `tensor` over all ranks and return this rank's chunk (1-D), with a ring of send/recv.
-
-    Chunk r is ``torch.tensor_split(tensor.flatten(), N)[r]`` of the reduced tensor: sizes need
-    not divide evenly. `tensor` is left unchanged. Each rank sends (N-1) chunks: (N-1)/N of the data.
-    """
+    """Reduce `tensor` over all ranks and return this rank's chunk (1-D), with a ring of send/recv."""
     n = dist.get_world_size(group)
     offsets = chunk_offsets(chunk_sizes(tensor.numel(), n))
     flat = tensor.detach().reshape(-1).clone()
@@ -164,11 +141,7 @@ def ring_reduce_scatter(
 def ring_all_gather(
     chunk: torch.Tensor, sizes: Sequence[int] | None = None, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
-    """Concatenate every rank's `chunk` in rank order, on every rank, with a ring of send/recv.
-
-    `sizes[r]` is the element count of rank r's chunk (default: all equal to this chunk's);
-    use ``chunk_sizes(numel, N)`` to undo :func:`ring_reduce_scatter`. Returns a new 1-D tensor.
-    """
+    """Concatenate every rank's `chunk` in rank order, on every rank, with a ring of send/recv."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     sizes = [chunk.numel()] * n if sizes is None else list(sizes)
     if len(sizes) != n or sizes[rank] != chunk.numel():
