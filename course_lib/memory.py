@@ -1,22 +1,4 @@
-"""Memory per rank: counted from the tensors a rank holds, and predicted by the ZeRO paper's model.
-
-Counting (:func:`held_bytes`) walks what a rank keeps between steps: its parameters (the local
-shard of a DTensor), their gradients, anything else the wrapper keeps (ZeroModel's full copies),
-and the optimizer's state tensors. Activations are not counted: they live only inside a step and
-scale with the micro-batch, not with N.
-
-Predicting (:func:`zero_bytes_per_gpu`): Ψ parameters, p bytes per parameter, g per gradient,
-K per parameter of optimizer state (Rajbhandari et al., "ZeRO", 2020):
-
-=======  ===========  ===========  ===========
-stage    parameters   gradients    optimizer
-=======  ===========  ===========  ===========
-0 (DDP)  pΨ           gΨ           KΨ
-1        pΨ           gΨ           KΨ/N
-2        pΨ           gΨ/N         KΨ/N
-3        pΨ/N         gΨ/N         KΨ/N
-=======  ===========  ===========  ===========
-"""
+"""Memory per rank: counted from the tensors a rank holds, and predicted by the ZeRO paper's model."""
 
 from __future__ import annotations
 
@@ -43,12 +25,7 @@ PRECISIONS = {
 
 
 def zero_bytes_per_gpu(
-    n_params: float,
-    world_size: int,
-    stage: int,
-    param_bytes: float = 2,
-    grad_bytes: float = 2,
-    optimizer_bytes: float = 12,
+    n_params: float, world_size: int, stage: int, param_bytes: float = 2, grad_bytes: float = 2, state_bytes: float = 12
 ) -> dict[str, float]:
     """Bytes per GPU of parameters, gradients and optimizer state for ZeRO `stage` (0 = DDP)."""
     if stage not in (0, 1, 2, 3):
@@ -57,7 +34,7 @@ def zero_bytes_per_gpu(
     out = {
         "params": n_params * param_bytes / (n if stage >= 3 else 1),
         "grads": n_params * grad_bytes / (n if stage >= 2 else 1),
-        "optimizer": n_params * optimizer_bytes / (n if stage >= 1 else 1),
+        "optimizer": n_params * state_bytes / (n if stage >= 1 else 1),
     }
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out
@@ -87,13 +64,7 @@ def allocated_bytes(tensors: Iterable[torch.Tensor]) -> int:
 def held_bytes(
     model: nn.Module, optimizer: torch.optim.Optimizer | None = None, padded: bool = False
 ) -> dict[str, int]:
-    """Bytes of parameters, gradients and optimizer state this rank holds between steps.
-
-    Optimizer state counts the tensors shaped like parameters (Adam's exp_avg, exp_avg_sq), not
-    the one-element step counters. A parameter or gradient that is a view into one of the wrapper's
-    full copies (ZeroModel stages 1-2) is not counted twice. `padded=True` counts parameter storage
-    with fully_shard's padding.
-    """
+    """Bytes of parameters, gradients and optimizer state this rank holds between steps."""
     size = allocated_bytes if padded else bytes_per_rank
     extra_held = getattr(model, "extra_held", None)  # ZeroModel's full copies
     extra = extra_held() if extra_held is not None else {}

@@ -1,16 +1,4 @@
-"""Notebook 02: data parallelism from scratch, next to torch's DistributedDataParallel.
-
-- minimal_ddp: MinimalDDP, the algorithm (broadcast, buckets, asynchronous all-reduce, no_sync); stamps on the
-  GPU's clock (CUDA events) or the host's
-- replicas: the gradient-sync check and the rank-0 snapshot
-- train: the training harness, single-process or data-parallel over the same batches
-- compiled: torch.compile under DDP: the graphs Dynamo captures against DDP's buckets, compiled against eager
-- comm_hooks: torch DDP's compression hooks (fp16, bf16, PowerSGD), a timing hook and a bucket-recording hook
-- unused: a model with branches a step may not take; collectives counted per step; step times measured in turns
-- uneven: ranks with uneven numbers of batches: Join from scratch for MinimalDDP, and the reference run
-- lab: ring bytes, the bucket/overlap simulator and its explorer, memory per rank, the figures
-- checkers: the exercises' checkers (the solutions are in notebooks/solutions/02_ddp.py)
-"""
+"""Notebook 02: data parallelism from scratch, next to torch's DistributedDataParallel."""
 
 from course_lib.ddp.checkers import check_accumulate_step, check_average_gradient, check_mean_allreduce_hook
 from course_lib.ddp.comm_hooks import (

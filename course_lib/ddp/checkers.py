@@ -1,10 +1,5 @@
 """Notebook 02's exercise checkers, run on every rank (the solutions: notebooks/solutions/02_ddp.py).
-
-Each is judged next to torch DDP on data that differs per rank: a few SGD steps whose gradients
-(the average over ranks) or weights the candidate must reproduce, so an answer that does not
-communicate cannot pass. No ``from __future__ import annotations``: a hook goes to DDP's
-register_comm_hook, which compares its annotations with real classes.
-"""
+No `from __future__ import annotations`: register_comm_hook compares a hook's annotations with the real classes."""
 
 from collections.abc import Callable, Iterator
 

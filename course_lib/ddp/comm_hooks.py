@@ -1,8 +1,5 @@
 """torch DDP's communication hooks: compressing the all-reduce (fp16, bf16, PowerSGD), and timing it.
-
-No ``from __future__ import annotations`` here: DDP's register_comm_hook compares a hook's
-annotations with the real classes (dist.GradBucket, Future[Tensor]), and strings would not match.
-"""
+No `from __future__ import annotations`: register_comm_hook compares a hook's annotations with the real classes."""
 
 import copy
 from collections.abc import Callable
@@ -24,11 +21,7 @@ COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 
 def bf16_compress_hook_any_backend(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """torch's bf16_compress_hook under another name.
-
-    torch 2.13's register_comm_hook refuses the hook *by its name* unless CUDA + NCCL >= 2.10 (or
-    XPU + XCCL) are present; gloo all-reduces bfloat16 on the CPU fine, so the CPU course calls it
-    through this wrapper. On GPUs with NCCL use torch's hook directly.
-    """
+    torch refuses the hook by its name unless CUDA + NCCL >= 2.10, though gloo all-reduces bfloat16 fine."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     return default_hooks.bf16_compress_hook(state, bucket)
@@ -86,11 +79,7 @@ def payload_bytes(model: nn.Module, hook: str, powersgd_rank: int = 2, min_compr
 def gradient_error(
     model: nn.Module, hook: str, x: torch.Tensor, y: torch.Tensor, repeats: int = 3, powersgd_rank: int = 2
 ) -> float:
-    """Relative error ||g_hook - g_exact|| / ||g_exact|| of the averaged gradient, at the same weights.
-
-    Runs `repeats` backward passes on the same batch (PowerSGD's first steps are exact) and
-    measures the last, error feedback included.
-    """
+    """Relative error ||g_hook - g_exact|| / ||g_exact|| of the averaged gradient, at the same weights."""
     exact = DistributedDataParallel(copy.deepcopy(unwrap(model)))
     compressed = DistributedDataParallel(copy.deepcopy(unwrap(model)))
     attach_comm_hook(compressed, hook, powersgd_rank)
@@ -117,12 +106,7 @@ def train_with_hook(
 
 def timed_allreduce_hook(events: list[tuple[int, int, float, float]]) -> CommHook:
     """A torch DDP comm hook that all-reduces (mean) and records (bucket, bytes, start, end) in `events`,
-    in time.perf_counter() seconds.
-
-    On CUDA, where NCCL's future completes as soon as the all-reduce is queued, start and end are CUDA events
-    (minimal_ddp.stamp: `done` runs on a stream that waits for the all-reduce); the step's events become
-    seconds at its last bucket, which synchronizes the device once per step.
-    """
+    in time.perf_counter() seconds."""
     pending: list[tuple[int, int, Stamp, Stamp]] = []  # this step's rows on CUDA, until its last bucket
 
     def hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -147,11 +131,7 @@ def timed_allreduce_hook(events: list[tuple[int, int, float, float]]) -> CommHoo
 
 
 def recording_hook(model: nn.Module, buckets: dict[int, list[str]]) -> CommHook:
-    """A torch DDP comm hook that averages each bucket as DDP does and records what it carries.
-
-    ``buckets[i]`` becomes the names of bucket i's parameters, in the order the bucket holds them:
-    a look at the reducer's bucket assignment, step by step (torch rebuilds it after the first).
-    """
+    """A torch DDP comm hook that averages each bucket as DDP does and records what it carries."""
     names = {id(p): name for name, p in unwrap(model).named_parameters()}
 
     def hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

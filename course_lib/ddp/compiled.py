@@ -1,13 +1,5 @@
 """Notebook 02, section 9: torch.compile under DDP.
-
-Dynamo captures the forward into FX graphs and hands each to a backend (Inductor by default); AOTAutograd derives
-each graph's backward. One compiled backward would produce every gradient at its end, leaving DDP nothing to
-overlap, so inside DDP Dynamo's DDPOptimizer (`torch._dynamo.config.optimize_ddp`) first cuts the forward where
-DDP's buckets end: the backward is then one graph per bucket, and each bucket's all-reduce starts when its graph
-ends, as in eager DDP.
-
-`recording_backend` and `compiled_against_eager` serve FSDP2 too (notebook 03, section 8: course_lib.fsdp.compiled).
-"""
+DDPOptimizer cuts the forward where DDP's buckets end, so each bucket's all-reduce starts when its graph ends."""
 
 from __future__ import annotations
 

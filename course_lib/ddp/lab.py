@@ -34,13 +34,7 @@ def simulate_buckets(
     bandwidth_Bps: float,
     world_size: int,
 ) -> list[tuple[float, float]]:
-    """Model of bucketed all-reduce during backward.
-
-    Gradients (in the order backward produces them) become ready at `grad_ready_s`; a bucket is sent
-    when its last gradient is ready and the previous all-reduce has finished (one at a time, as on
-    one communicator). Each call costs latency + ring bytes / bandwidth. Returns the list of
-    (start, end) per bucket.
-    """
+    """Model of bucketed all-reduce during backward."""
     cap = bucket_cap_mb * MB
     buckets: list[tuple[int, float]] = []  # (bytes, ready time), closed as in assign_buckets
     size = 0
@@ -75,7 +69,7 @@ def ddp_bytes_per_rank(n_params: int, param_bytes: int = 4, optimizer_states: in
         stage=0,
         param_bytes=param_bytes,
         grad_bytes=param_bytes,
-        optimizer_bytes=optimizer_states * param_bytes,
+        state_bytes=optimizer_states * param_bytes,
     )["total"]
     return int(held) + (n_params * param_bytes if bucket_copy else 0)
 

@@ -1,19 +1,4 @@
-"""Data parallelism from scratch: :class:`MinimalDDP`, the algorithm notebook 02 shows.
-
-Every rank holds a full replica of the model and sees B/N samples of each global batch of B.
-After backward each rank holds the gradient of its own shard's mean loss; averaging those
-gradients over the N ranks gives exactly the gradient of the mean loss over the global batch:
-
-    g = 1/N * sum_r g_r,    w <- w - lr * g        (the same update on every rank)
-
-so the replicas stay identical and training equals single-process training on batches of B.
-
-:class:`MinimalDDP` does this the way torch DDP does: parameters broadcast from rank 0 at
-start, gradients packed into buckets (in reverse parameter order, the order backward produces
-them), each full bucket all-reduced asynchronously while backward continues, one wait at the end
-of backward, before the optimizer step. ``no_sync()`` skips the communication for gradient
-accumulation.
-"""
+"""Data parallelism from scratch: :class:`MinimalDDP`, the algorithm notebook 02 shows."""
 
 from __future__ import annotations
 
@@ -45,11 +30,7 @@ def stamp(device: torch.device) -> Stamp:
 
 def on_host_clock(rows: Iterable[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
     """`rows` with every CUDA event (from :func:`stamp`) replaced by the time.perf_counter() second the GPU
-    passed it, so GPU times and host times share one clock; rows without events come back as they are.
-
-    With events, this synchronizes the current device, then records an anchor event on the idle device and
-    reads the host clock right after it: each event lies its elapsed_time before that anchor.
-    """
+    passed it, so GPU times and host times share one clock; rows without events come back as they are."""
     rows = [tuple(row) for row in rows]
     if not any(isinstance(value, torch.cuda.Event) for row in rows for value in row):
         return rows
@@ -110,12 +91,7 @@ def assign_buckets(params: list[nn.Parameter], bucket_cap_bytes: int) -> list[li
 
 
 class MinimalDDP(nn.Module):
-    """Data parallelism in ~100 lines: broadcast, bucketed asynchronous all-reduce, averaging, no_sync.
-
-    Use it like torch DDP: ``model = MinimalDDP(MLP()); loss(model(x), y).backward(); opt.step()``.
-    After ``backward()`` returns, every rank holds the averaged gradient. ``timeline`` says when each bucket's
-    all-reduce ran in the last backward.
-    """
+    """Data parallelism in ~100 lines: broadcast, bucketed asynchronous all-reduce, averaging, no_sync."""
 
     def __init__(
         self, module: nn.Module, bucket_cap_mb: float = 25.0, process_group: dist.ProcessGroup | None = None
@@ -145,9 +121,7 @@ class MinimalDDP(nn.Module):
 
     @property
     def timeline(self) -> list[tuple[int, int, float, float]]:
-        """(bucket, bytes, start, end) of each all-reduce of the last sync, in time.perf_counter() seconds.
-
-        On CUDA the times are the GPU's (on_host_clock: reading them synchronizes the device, once)."""
+        """(bucket, bytes, start, end) of each all-reduce of the last sync, in time.perf_counter() seconds."""
         seconds: list[tuple[int, int, float, float]] = on_host_clock(self._stamps)
         self._stamps = list(seconds)  # read once: the events become numbers
         return seconds

@@ -1,8 +1,4 @@
-"""Keeping the replicas one: a check that every rank holds rank 0's gradients, and the rank-0 snapshot.
-
-Data parallelism is correct only while every replica is the same; these are the two places a
-training loop makes sure of it (at a step) and relies on it (one file holds the whole state).
-"""
+"""Keeping the replicas one: a check that every rank holds rank 0's gradients, and the rank-0 snapshot."""
 
 from __future__ import annotations
 
@@ -15,11 +11,7 @@ from course_lib.ddp.minimal_ddp import unwrap
 
 def check_gradient_sync(model: nn.Module, atol: float = 0.0, group: dist.ProcessGroup | None = None) -> float:
     """Assert every rank holds the same gradients as rank 0; return the largest difference seen.
-
-    Call it after backward (before the optimizer step). Replicas that drift apart (a rank that
-    skipped a sync, a different batch order after a restart) are found here at the first step,
-    rather than as a mysteriously worse loss much later. Costs one broadcast of all gradients.
-    """
+    Drifting replicas are found at the first step rather than as a worse loss much later; costs one broadcast."""
     named = [(n, p) for n, p in unwrap(model).named_parameters() if p.requires_grad]
     mine = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for _, p in named])
     reference = mine.clone()

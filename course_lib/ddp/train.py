@@ -1,8 +1,4 @@
-"""The training harness of notebook 02: the same run single-process or data-parallel.
-
-Both read the same shuffled order: the single process takes whole global batches, each rank its
-DistributedSampler shard of them. With the gradients averaged, the two runs take the same steps.
-"""
+"""The training harness of notebook 02: the same run single-process or data-parallel."""
 
 from __future__ import annotations
 
@@ -51,10 +47,7 @@ class TrainLog:
 def bytes_written() -> int | None:
     """Bytes this process has passed to write()/writev() (wchar in /proc/self/io): on gloo that is what it
     sent to its peers (plus a few bytes of output).
-
-    None on a rank under NCCL: NCCL moves GPU tensors through its own transports (NVLink, PCIe, InfiniBand),
-    which this count does not see; it would hold only stdout and the store's traffic.
-    """
+    None under NCCL: its transports (NVLink, PCIe, InfiniBand) are not counted here."""
     if dist.is_initialized() and "nccl" in str(dist.get_backend()):
         return None
     with open("/proc/self/io") as f:
@@ -79,13 +72,7 @@ def train(
     optimizer: torch.optim.Optimizer | None = None,
     first_epoch: int = 0,
 ) -> TrainLog:
-    """Adam on `dataset` in global batches of `global_batch`, single-process or data-parallel.
-
-    Data-parallel: each rank takes global_batch / N samples per step, in `accumulation` micro-batches;
-    all but the last run under no_sync(). The loss is divided by `accumulation` so the summed
-    gradient is the mean over the rank's samples; the all-reduce then averages over ranks.
-    Runs epochs first_epoch .. epochs-1 (pass the optimizer to resume a run).
-    """
+    """Adam on `dataset` in global batches of `global_batch`, single-process or data-parallel."""
     n = dist.get_world_size() if distributed else 1
     if global_batch % (n * accumulation):
         raise ValueError(f"global batch {global_batch} must split into {n} ranks x {accumulation} micro-batches")

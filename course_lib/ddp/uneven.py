@@ -1,13 +1,4 @@
-"""Ranks with uneven numbers of batches: what torch's ``Join`` does, from scratch, and the run it must equal.
-
-DDP's gradient all-reduce needs every rank. A rank that runs out of batches first leaves the others
-waiting in their next all-reduce until the process-group timeout. ``Join``
-(torch.distributed.algorithms.join) fixes that: every step each rank says whether it still has a
-batch (one small all-reduce), and a rank that has run out *shadows* the others' collectives,
-all-reducing zeros into each bucket, until no rank has data left. The average still divides by N
-(torch's default, ``divide_by_initial_world_size=True``), so a step that only m of N ranks take
-moves the weights by m/N of a full step.
-"""
+"""Ranks with uneven numbers of batches: what torch's ``Join`` does, from scratch, and the run it must equal."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""Parameters without a gradient in a step: a model with a branch not taken, and what DDP's answers cost.
-
-DDP's reducer waits for every parameter's gradient before it can finish a step. A parameter that
-took no part in the loss (a branch not taken) never reports, and the next forward fails. Two fixes:
-``find_unused_parameters=True`` walks the autograd graph after every forward to mark the missing
-ones ready, and all-reduces a map of who used what (one extra collective per step);
-``static_graph=True`` learns the unused set in the first step and trusts it from then on.
-"""
+"""Parameters without a gradient in a step: a model with a branch not taken, and what DDP's answers cost."""
 
 from __future__ import annotations
 
@@ -16,10 +9,7 @@ from course_lib.models import MLP, seeded
 
 
 class MLPWithBranches(nn.Module):
-    """The course MLP as a trunk, and branches of which a forward takes one, or none.
-
-    As in multi-task training, where each batch belongs to one task and each task has its own head.
-    """
+    """The course MLP as a trunk, and branches of which a forward takes one, or none."""
 
     def __init__(
         self, d_in: int = 32, d_hidden: int = 64, d_out: int = 8, n_layers: int = 4, n_branches: int = 2, seed: int = 0
