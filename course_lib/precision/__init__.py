@@ -1,14 +1,4 @@
-"""Notebook 04: number formats, autocast inspection, and dynamic loss scaling from scratch.
-
-- number_formats: fp32/fp16/bf16 layouts, what a value becomes when stored, its rounding error
-- inspection: the dtype of every op under autocast; FSDP2's MixedPrecisionPolicy on the wire
-- loss_scaler: DynamicLossScaler (GradScaler from scratch) and the found-inf check across ranks
-- train: one training loop for both scalers; the loss curves per precision mode
-- anti_pattern: MixedPrecisionTrainer, a hand-managed scale next to GradScaler (do not copy)
-- lab: the formats table, (GPU) matmul throughput, the storage explorer
-- float8: e4m3/e5m2, scaled casts from scratch, which Linears go float8, FSDP2 with the float8 all-gather, speed
-- checkers: the exercise checkers (found-inf across ranks, a GradScaler step with clipping)
-"""
+"""Notebook 04: number formats, autocast inspection, and dynamic loss scaling from scratch."""
 
 from course_lib.precision.anti_pattern import MixedPrecisionTrainer
 from course_lib.precision.checkers import check_clipped_scaler_step, check_found_inf

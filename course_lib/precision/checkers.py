@@ -1,8 +1,4 @@
-"""Notebook 04's exercise checkers: a found-inf check that agrees across ranks, and a GradScaler step with clipping.
-
-The solutions are in notebooks/solutions/04_mixed_precision.py; the checkers compare with the library's own
-algorithm (amp_training_loop), not with a second copy of the answer.
-"""
+"""Notebook 04's exercise checkers: a found-inf check that agrees across ranks, and a GradScaler step with clipping."""
 
 from __future__ import annotations
 
@@ -33,12 +29,7 @@ _WRITE_IT = "this calls the course's found_inf_across_ranks (section 3 shows it)
 
 
 def check_found_inf(fn: Callable[[list[torch.Tensor]], torch.Tensor]) -> None:
-    """Runs on every rank: `fn(grads)` must return 1.0 on every rank iff some rank has a non-finite gradient.
-
-    The gradients live on the rank's device (its GPU under NCCL), as a model's would. After each case the
-    ranks agree (MAX all-reduce) on whether any of them got a wrong answer, so all ranks stop at the same
-    case: the ranks that were wrong raise ExerciseFailed, the others return.
-    """
+    """Runs on every rank: `fn(grads)` must return 1.0 on every rank iff some rank has a non-finite gradient."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = rank_device()
     for description, bad in _found_inf_cases(world_size):
@@ -77,13 +68,7 @@ CLIP_STEPS, CLIP_MAX_NORM = 4, 0.05  # small enough that every step is clipped a
 
 
 def check_clipped_scaler_step(train_step: Callable[..., object]) -> None:
-    """Runs on every rank: `train_step(model, optimizer, scaler, x, y, max_norm)` on an FSDP2-sharded MLP.
-
-    Each rank holds its own rows of the global batch. After CLIP_STEPS steps, this rank's parameter shards
-    and the loss scale must equal those of `amp_training_loop` (fp16 autocast, unscale_, clip, step, update)
-    run on an identical model: clipping the scaled gradients, not clipping, or skipping `update` all differ.
-    Model, batches and scaler are on the rank's device (its GPU under NCCL).
-    """
+    """Runs on every rank: `train_step(model, optimizer, scaler, x, y, max_norm)` on an FSDP2-sharded MLP."""
     from torch import nn
 
     from course_lib.compare import local_tensor

@@ -1,16 +1,4 @@
-"""Float8 training: the e4m3 and e5m2 formats, scaling by amax, and torchao's Float8Linear under FSDP2.
-
-- formats_table: fp32, fp16, bf16 and the two float8 formats, from torch.finfo
-- to_float8 / from_float8: a scaled cast from scratch, per tensor or per row (what torchao does per tensor)
-- why_high_precision / float8_filter: which Linears `convert_to_float8_training` should leave alone
-- float8_width: a hidden width whose float8 weights split evenly over the ranks
-- float8_recipe: torchao's recipe on float8 tensor cores (SM89+), emulated elsewhere
-- train_fsdp: FSDP2 training in fp32, with the bf16 policy, or in float8 with the float8 all-gather
-- matmul_and_linear_seconds: float8 against bf16 on one device (the speed-up needs a GPU of SM89 or later)
-
-Import this module before torchao: it keeps torchao's load-time log lines out of the notebook (see below).
-torchao itself is imported inside the functions, so `import course_lib.precision` stays as quick as before.
-"""
+"""Float8 training: the e4m3 and e5m2 formats, scaling by amax, and torchao's Float8Linear under FSDP2."""
 
 from __future__ import annotations
 
@@ -112,14 +100,7 @@ def cast_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
 
 
 def why_high_precision(linear: nn.Module, shards: int = 1) -> str:
-    """Why `linear` should stay in high precision under `convert_to_float8_training`, or "" if float8 suits it.
-
-    - float8 matmuls (torch's scaled_mm) need both dims to be multiples of 16;
-    - with FSDP2's float8 all-gather every rank must send the same number of weight rows: torchao does not pad.
-
-    Size is the third reason, left to the caller: below a few thousand features the casts (an amax, a scale, a pass
-    over each operand) cost more than the faster matmul saves (torchao's `_auto_filter_for_recipe`).
-    """
+    """Why `linear` should stay in high precision under `convert_to_float8_training`, or "" if float8 suits it."""
     if not isinstance(linear, nn.Linear):
         return "not a Linear"
     out_features, in_features = linear.weight.shape
@@ -148,13 +129,7 @@ def float8_tensor_cores(device: torch.device) -> bool:
 
 
 def float8_recipe(device: torch.device) -> Any:
-    """torchao's tensor-wise Float8LinearConfig with the float8 all-gather, for `device`.
-
-    On float8 tensor cores the real recipe with torchao's defaults (scaled_mm, fast accumulation in the output's
-    matmul) and `pad_inner_dim`: scaled_mm wants every dim a multiple of 16, and the weight gradient's matmul runs over
-    a rank's rows of the batch (48 / NPROC in notebook 04), which torchao then pads with zeros. Elsewhere (the CPU,
-    older GPUs) emulated: the same casts and scales, the products in fp32.
-    """
+    """torchao's tensor-wise Float8LinearConfig with the float8 all-gather, for `device`."""
     from torchao.float8 import Float8LinearConfig
 
     if float8_tensor_cores(device):
@@ -195,16 +170,7 @@ def train_fsdp(
     lr: float,
     device: torch.device,
 ) -> dict:
-    """SGD on MLP(d_hidden=width, n_layers=2), each Linear an FSDP2 unit of its own, in one of three kinds:
-
-    "fp32": no policy; "bf16": MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32); "float8": the same policy,
-    and the Linears that float8_filter accepts swapped for torchao's Float8Linear with the float8 all-gather
-    (float8_recipe: on float8 tensor cores where the device has them, emulated elsewhere).
-
-    Returns the loss of each step (averaged over the ranks), the bytes of each all-gather in the first forward, the
-    calls of the first step and of every precompute, the float8 weights' scales after each step, each checked
-    against max(e4m3) / amax of the full weight, and whether each Float8Linear emulated its matmuls.
-    """
+    """SGD on MLP(d_hidden=width, n_layers=2), each Linear an FSDP2 unit of its own, in one of three kinds:"""
     from course_lib import comms
 
     model, float8_modules = fsdp_model(kind, width, device)

@@ -29,11 +29,7 @@ class _OpDtypeRecorder(TorchDispatchMode):
 
 
 def record_op_dtypes(fn: Callable[[], torch.Tensor]) -> list[tuple[str, tuple[str, ...], str]]:
-    """Run `fn()` and return (aten op, input dtypes, output dtype) for every op it dispatched.
-
-    Ops that only move data (views, copies the autocast casts make) are kept: they show where
-    autocast inserts a cast (`_to_copy` from fp32 to bf16).
-    """
+    """Run `fn()` and return (aten op, input dtypes, output dtype) for every op it dispatched."""
     recorder = _OpDtypeRecorder()
     with recorder:
         fn()

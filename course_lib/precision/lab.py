@@ -6,36 +6,27 @@ import math
 
 import torch
 
-from course_lib.precision.number_formats import (
-    DTYPE_NAMES,
-    FLOAT8_DTYPES,
-    FLOAT_DTYPES,
-    LAYOUT,
-    bit_fields,
-    rounding_error,
-    smallest_subnormal,
-    stored_value,
-)
+from course_lib.precision import number_formats as formats
 
 # The tables and figures of notebook 04: the formats' range and precision, (GPU only) matmul throughput, and the
 # explorer of how a number is stored and which scaled gradients fp16 keeps.
 
 
-def finfo_table(dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> list[dict]:
+def finfo_table(dtypes: tuple[torch.dtype, ...] = formats.FLOAT_DTYPES) -> list[dict]:
     """Range and precision of each of `dtypes` (fp32, fp16 and bf16 unless told), from torch.finfo."""
     rows = []
     for dtype in dtypes:
         info = torch.finfo(dtype)
-        exponent_bits, mantissa_bits = LAYOUT[dtype]
+        exponent_bits, mantissa_bits = formats.LAYOUT[dtype]
         rows.append(
             {
-                "dtype": DTYPE_NAMES[dtype],
+                "dtype": formats.DTYPE_NAMES[dtype],
                 "bits": info.bits,
                 "exponent bits": exponent_bits,
                 "mantissa bits": mantissa_bits,
                 "max": info.max,
                 "smallest normal": info.smallest_normal,
-                "smallest subnormal": smallest_subnormal(dtype),
+                "smallest subnormal": formats.smallest_subnormal(dtype),
                 "eps": info.eps,
                 "decimal digits": round(math.log10(2) * (mantissa_bits + 1), 1),
             }
@@ -68,8 +59,8 @@ def draw_storage(value: float, dtype_name: str, log2_loss_scale: int, *, grads: 
     (grey), subnormal (orange), overflow (red)."""
     import matplotlib.pyplot as plt
 
-    dtype = {DTYPE_NAMES[d]: d for d in FLOAT_DTYPES + FLOAT8_DTYPES}[dtype_name]
-    sign, exponent, mantissa = bit_fields(value, dtype)
+    dtype = {formats.DTYPE_NAMES[d]: d for d in formats.FLOAT_DTYPES + formats.FLOAT8_DTYPES}[dtype_name]
+    sign, exponent, mantissa = formats.bit_fields(value, dtype)
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 2.8), gridspec_kw={"width_ratios": [1.2, 1]})
     for i, (bit, colour) in enumerate(
         [(b, "C3") for b in sign] + [(b, "C0") for b in exponent] + [(b, "C2") for b in mantissa]
@@ -82,8 +73,8 @@ def draw_storage(value: float, dtype_name: str, log2_loss_scale: int, *, grads: 
     left.text(
         0,
         1.2,
-        f"{value:g} as {dtype_name}: stored {stored_value(value, dtype):.8g}, "
-        f"relative error {rounding_error(value, dtype):.1e}   (sign | exponent | mantissa)",
+        f"{value:g} as {dtype_name}: stored {formats.stored_value(value, dtype):.8g}, "
+        f"relative error {formats.rounding_error(value, dtype):.1e}   (sign | exponent | mantissa)",
     )
     scaled = torch.log2(grads.abs()) + log2_loss_scale
     lowest, highest = float(scaled.min()), float(scaled.max())
@@ -101,7 +92,7 @@ def draw_storage(value: float, dtype_name: str, log2_loss_scale: int, *, grads: 
 
 def special_patterns(dtype: torch.dtype) -> dict[str, list[str]]:
     """Every 8-bit pattern of a float8 `dtype` that is not a finite number, as 'S.EEEE.MMM', by what it decodes to."""
-    exponent_bits = LAYOUT[dtype][0]
+    exponent_bits = formats.LAYOUT[dtype][0]
     values = torch.arange(256, dtype=torch.uint8).view(dtype).float()
     found: dict[str, list[str]] = {"nan": [], "inf": []}
     for pattern, value in enumerate(values.tolist()):
@@ -119,15 +110,16 @@ def draw_float8_layouts() -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 1, figsize=(10, 2.8))
-    for ax, dtype in zip(axes, FLOAT8_DTYPES):
+    for ax, dtype in zip(axes, formats.FLOAT8_DTYPES):
         info, special = torch.finfo(dtype), special_patterns(dtype)
-        sign, exponent, mantissa = bit_fields(info.max, dtype)
+        sign, exponent, mantissa = formats.bit_fields(info.max, dtype)
         colours = ["C3"] * len(sign) + ["C0"] * len(exponent) + ["C2"] * len(mantissa)
         for i, (bit, colour) in enumerate(zip(sign + exponent + mantissa, colours)):
             ax.add_patch(plt.Rectangle((i, 0), 0.95, 1, color=colour, alpha=0.35))
             ax.text(i + 0.47, 0.5, bit, ha="center", va="center")
         notes = (
-            f"{DTYPE_NAMES[dtype]}: max {info.max:g} (shown), smallest normal 2^{math.log2(info.smallest_normal):.0f}\n"
+            f"{formats.DTYPE_NAMES[dtype]}: max {info.max:g} (shown), "
+            f"smallest normal 2^{math.log2(info.smallest_normal):.0f}\n"
             f"nan: {', '.join(special['nan'][:3])}{' ...' if len(special['nan']) > 3 else ''} ({len(special['nan'])})"
             f";  inf: {', '.join(special['inf']) or 'none: a cast saturates at max'}"
         )

@@ -1,11 +1,4 @@
-"""Dynamic loss scaling from scratch: :class:`DynamicLossScaler`, what ``torch.amp.GradScaler`` does.
-
-Written so every step is visible: multiply the loss by a scale, divide the gradients by it, skip
-the optimizer step when a gradient overflowed (on *any* rank), back off after an overflow and grow
-the scale again after ``growth_interval`` clean steps. It has GradScaler's method names, so the
-same training loop (train.amp_training_loop) drives both, and the notebook asserts that both
-produce the same scales, the same skipped steps and the same parameters.
-"""
+"""Dynamic loss scaling from scratch: :class:`DynamicLossScaler`, what ``torch.amp.GradScaler`` does."""
 
 from __future__ import annotations
 
@@ -31,11 +24,7 @@ def found_inf_across_ranks(
     grads: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None, sync: bool = True
 ) -> torch.Tensor:
     """1.0 on every rank if any gradient on any rank is inf or nan, else 0.0.
-
-    Each rank may hold different gradients (FSDP shards, pipeline stages): an overflow in one
-    rank's shard must make *every* rank skip the step, or the ranks' parameters and scales drift
-    apart. A MAX all-reduce of the local flag does that.
-    """
+    An overflow in one rank's shard must make every rank skip the step, or parameters and scales drift apart."""
     grads = list(grads)
     device = grads[0].device if grads else torch.device("cpu")
     found = torch.zeros((), dtype=torch.float32, device=device)
@@ -49,15 +38,7 @@ def found_inf_across_ranks(
 
 
 class DynamicLossScaler:
-    """The dynamic loss scaler of torch.amp.GradScaler, from scratch.
-
-    Per step: ``scale(loss).backward()``; optionally ``unscale_(optimizer)`` (then clip);
-    ``step(optimizer)`` (skipped if any rank found inf/nan); ``update()``.
-    ``update`` halves the scale after an overflow (backoff) and doubles it after
-    ``growth_interval`` consecutive clean steps (growth), as GradScaler does.
-    ``sync_found_inf=False`` leaves out the all-reduce: each rank then decides alone (wrong when
-    ranks hold different gradients; kept to show what goes wrong).
-    """
+    """The dynamic loss scaler of torch.amp.GradScaler, from scratch."""
 
     def __init__(
         self,

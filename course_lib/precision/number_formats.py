@@ -38,10 +38,7 @@ def stored_value(value: float, dtype: torch.dtype) -> float:
 
 
 def rounding_error(value: float, dtype: torch.dtype) -> float:
-    """|stored - value| / |value| when `value` is stored in `dtype`: inf if it overflows, 0 for 0.
-
-    Not compare.relative_error, which compares two computed tensors: this is the format's own loss.
-    """
+    """|stored - value| / |value| when `value` is stored in `dtype`: inf if it overflows, 0 for 0."""
     stored = stored_value(value, dtype)
     if math.isinf(stored) or value == 0:
         return math.inf if math.isinf(stored) else 0.0

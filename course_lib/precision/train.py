@@ -65,10 +65,7 @@ def amp_training_loop(
 def rank_batches(
     n_steps: int, global_batch: int, device: torch.device, seed: int = 0
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's micro-batches of the shared regression data: its rows of global batches 0 .. n_steps - 1.
-
-    The global batches are the same for any number of ranks, so results compare across world sizes.
-    """
+    """This rank's micro-batches of the shared regression data: its rows of global batches 0 .. n_steps - 1."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     data = regression(n=n_steps * global_batch, seed=seed)
     batches = (batch_for_step(data, s, global_batch, rank, world, shuffle_seed=None) for s in range(n_steps))
@@ -81,13 +78,7 @@ PRECISION_MODES = ("fp32", "bf16 autocast", "fp16 autocast, no scaling", "fp16 a
 def train_precision_mode(
     mode: str, batches: Batches, *, lr: float, loss_factor: float, device: torch.device, n_layers: int = 2
 ) -> dict:
-    """Data-parallel SGD of the course MLP in one precision mode; gradients averaged over ranks.
-
-    `loss_factor` (a power of two) shrinks the loss, and `lr / loss_factor` undoes it: in fp32 the
-    run is unchanged, but the gradients become as small as a large model's, where fp16 underflows.
-    Returns the global batch's losses (averaged over ranks) and the fraction of weight-gradient entries
-    that came out exactly zero.
-    """
+    """Data-parallel SGD of the course MLP in one precision mode; gradients averaged over ranks."""
     from course_lib.models import MLP
 
     model = MLP(n_layers=n_layers).to(device)
