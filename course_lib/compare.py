@@ -1,9 +1,4 @@
-"""Looking at tensors across layouts: every "equal to the reference" and "bytes on this rank" goes through here.
-
-A parallel model holds DTensors (FSDP2, tensor parallel) or plain tensors (DDP, one process). These
-helpers take either: `local_tensor` is what this rank stores, `full_tensor` the whole value (a
-collective for a DTensor: call it on every rank).
-"""
+"""Looking at tensors across layouts: every "equal to the reference" and "bytes on this rank" goes through here."""
 
 from __future__ import annotations
 
@@ -44,12 +39,7 @@ Comparable = torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor] 
 
 
 def max_difference(got: Comparable, expected: Comparable) -> float:
-    """The largest |got - expected| over every element.
-
-    Takes two tensors, two sequences of tensors (pairwise), two {name: tensor} (every name of `got`
-    must be in `expected`) or two modules (their parameters, in order; a DDP wrapper is transparent).
-    DTensors are compared whole, so every rank calls this.
-    """
+    """The largest |got - expected| over every element."""
     pairs: list[tuple[torch.Tensor, torch.Tensor]]
     if isinstance(got, torch.Tensor) and isinstance(expected, torch.Tensor):
         pairs = [(got, expected)]
@@ -83,12 +73,7 @@ def _difference(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |got - expected| / max(max |expected|, 1).
-
-    float32 sums taken in a different order differ by ~1e-7 of the values' scale; the floor of 1 keeps
-    values that are zero in exact arithmetic from dividing noise by noise. `got` is compared on `expected`'s
-    device (a GPU result against a CPU reference, or the reverse), as :func:`max_difference` does.
-    """
+    """max |got - expected| / max(max |expected|, 1)."""
     return ((got.to(expected.device) - expected).abs().max() / expected.abs().max().clamp_min(1.0)).item()
 
 
@@ -98,11 +83,7 @@ def bytes_per_rank(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def saved_activation_bytes(module: nn.Module, x: torch.Tensor) -> int:
-    """Bytes of the tensors autograd keeps for backward on this rank during `module(x)`.
-
-    Parameters are not counted; each storage is counted once. Under autocast the low-precision
-    copies of the weights are activations in this sense: they are counted.
-    """
+    """Bytes of the tensors autograd keeps for backward on this rank during `module(x)`."""
     parameters = {local_tensor(p).untyped_storage().data_ptr() for p in module.parameters()}
     seen: dict[int, int] = {}
 

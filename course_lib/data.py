@@ -20,12 +20,7 @@ def batch_for_step(
 ) -> tuple[torch.Tensor, ...]:
     """Rank `rank`'s rows of global batch number `step`: its contiguous global_batch // world_size of them (where
     world_size does not divide the batch, the last rows go unused).
-
-    The global batch is a pure function of the step: epoch after epoch through `data`, each epoch in a permutation
-    seeded by `shuffle_seed` + epoch (None: in order). So one process (world_size=1) sees the same global batches as
-    N ranks together, at any N, and a resumed run continues with exactly the samples the interrupted one would have
-    seen: there is no sampler state to save.
-    """
+    A pure function of the step: any N sees the same global batches, and a resumed run has no sampler state to save."""
     n = len(data)
     if not 0 < global_batch <= n:
         raise ValueError(f"a global batch of {global_batch} samples must be positive and fit in the {n} samples")

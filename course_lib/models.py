@@ -1,8 +1,4 @@
-"""Tiny deterministic models shared by the notebooks.
-
-Small enough that a step takes milliseconds on a laptop CPU, big enough to have
-several layers to shard, bucket or split into pipeline stages.
-"""
+"""Tiny deterministic models shared by the notebooks."""
 
 from __future__ import annotations
 
@@ -61,10 +57,7 @@ def param_bytes(model: nn.Module) -> int:
 def world_mesh() -> DeviceMesh:
     """A 1-D DeviceMesh of every rank on this rank's device (launch.runtime.rank_device: cuda under NCCL, else
     the CPU).
-
-    It is the mesh FSDP2 builds when given none, but for the device type: torch takes the machine's
-    accelerator, whatever the backend, so a gloo rank that can see a GPU would become a CUDA rank.
-    """
+    Not FSDP2's default mesh: torch takes the machine's accelerator, so a gloo rank seeing a GPU would become CUDA."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -97,11 +90,7 @@ def shard_layers_then_root(
 
 class Attention(nn.Module):
     """Causal multi-head self-attention with separate q, k, v, o projections.
-
-    The number of heads is read from q's output width (`width // head_dim`), so
-    the same forward runs unchanged when q/k/v are column-sharded over ranks and
-    each rank holds only its own heads.
-    """
+    Heads are read from q's output width, so the same forward runs when q/k/v are column-sharded."""
 
     def __init__(self, d_model: int, n_heads: int):
         super().__init__()
@@ -134,11 +123,7 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """A pre-norm transformer block: x + attention(norm1(x)), then + feed_forward(norm2(x)).
-
-    Defaults: the course's block, :data:`BLOCK`.
-    Seeded: same weights on every rank. Dropout defaults to 0 so runs are deterministic.
-    """
+    """A pre-norm transformer block: x + attention(norm1(x)), then + feed_forward(norm2(x))."""
 
     def __init__(
         self,

@@ -1,8 +1,4 @@
-"""A notebook's first cells check its parameters, so a value that cannot work fails at once.
-
-NPROC = params.check(NPROC, BACKEND, works=lambda n: 8 % n == 0,
-                     why="the pipeline cuts 8 layers into NPROC stages, so NPROC must divide 8")
-"""
+"""A notebook's first cells check its parameters, so a value that cannot work fails at once."""
 
 from __future__ import annotations
 
@@ -21,12 +17,7 @@ class ParameterError(LaunchError):
 
 
 def check(nproc: object, backend: object = "auto", works: Callable[[int], bool] | None = None, why: str = "") -> int:
-    """NPROC as an int, or ParameterError naming the values that work and why.
-
-    `works(n)` says whether the lesson runs on n ranks (None: any n); `why` is shown when it does not.
-    The backend is checked too: nccl needs a GPU per rank. A cell whose world size the notebook
-    derives (a partner for rank 0, a fixed grid) takes its backend from :func:`backend_for`.
-    """
+    """NPROC as an int, or ParameterError naming the values that work and why."""
     try:
         n = check_nproc(nproc)
         resolve_backend(str(backend), n)

@@ -1,10 +1,4 @@
-"""The course's training step and the loop that feeds it: lessons extend them through hooks instead of writing loops.
-
-`step` is one optimizer step: zero the gradients, forward, loss, backward, `before_step()` (gradient clipping, a
-check), `optimizer.step()`. `train` runs `steps` of them on this rank's rows of each global batch
-(:func:`course_lib.data.batch_for_step`), so one process (world_size=1) is the reference every parallel run is
-compared with.
-"""
+"""The course's training step and the loop that feeds it: lessons extend them through hooks instead of writing loops."""
 
 from __future__ import annotations
 
