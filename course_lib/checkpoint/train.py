@@ -56,6 +56,18 @@ def _append(log: str | os.PathLike, entry: dict[str, Any]) -> None:
         f.write(json.dumps(entry) + "\n")
 
 
+def _load_newest(root: str | os.PathLike, app: AppState) -> None:
+    """Load into `app` the newest complete checkpoint rank 0 finds under `root`; the others take rank 0's answer.
+
+    Kept out of train_resumable, which notebook 06 shows: it is the answer to notebook 07's exercise 3.
+    """
+    found = [latest_complete(root)[0] if _rank_world()[0] == 0 else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(found)
+    if found[0] is not None:
+        dcp_load(found[0], app)
+
+
 def train_resumable(
     root: str | os.PathLike,
     total_steps: int,
@@ -78,11 +90,7 @@ def train_resumable(
     model = sharded_mlp()
     optimizer = make_optimizer(model)
     app = AppState(model, optimizer)
-    found = [latest_complete(root)[0] if rank == 0 else None]  # one rank decides, all follow
-    if dist.is_initialized():
-        dist.broadcast_object_list(found)
-    if found[0] is not None:
-        dcp_load(found[0], app)
+    _load_newest(root, app)  # the newest complete checkpoint, the same on every rank (notebook 07's exercise 3)
     start = app.step
     for step in range(start, total_steps):
         if attempt == 0 and step == kill_at and rank == kill_rank % world_size:
