@@ -1,15 +1,4 @@
-"""Notebook 05: activation memory, measured against the formula, and what recomputation trades for it.
-
-- formulas: Korthikanti et al.'s bytes per layer, term by term; the course block's, derived tensor by tensor
-  (with tensor and sequence parallelism); a stack of layers under each recomputation mode
-- recompute: checkpointing from scratch with saved-tensor hooks, torch.utils.checkpoint (full and selective)
-- oom: a real out-of-memory under a limit (RLIMIT_AS on CPU, a memory fraction on CUDA), its short message per
-  device; micro-batched steps
-- lab: the tensors autograd saved (saved_tensors), the bytes alive at each moment (LiveBytes), FLOPs; what the
-  ranks measure (bytes per layer, a step under each mode, time); the memory estimate per GPU and the ladder of
-  fixes; the kernel-side figures and the explorer
-- checkers: the exercises' checkers (solutions: notebooks/solutions/05_activation_memory.py)
-"""
+"""Notebook 05: activation memory, measured against the formula, and what recomputation trades for it."""
 
 from course_lib.activations.checkers import check_checkpoint_every, check_evaluate
 from course_lib.activations.formulas import (

@@ -1,7 +1,4 @@
-"""Checkers of notebook 05's exercises; each runs on every rank, with that rank's own batch.
-
-The solutions are in notebooks/solutions/05_activation_memory.py (and nowhere in the library).
-"""
+"""Checkers of notebook 05's exercises; each runs on every rank, with that rank's own batch."""
 
 from __future__ import annotations
 
@@ -34,11 +31,7 @@ def _rank() -> int:
 
 
 def check_checkpoint_every(fn: Callable[[nn.Sequential, torch.Tensor, int], torch.Tensor]) -> None:
-    """fn(blocks, x, k): blocks i = 0, k, 2k, ... run under activation checkpointing, the others as they are.
-
-    Checked on 5 blocks for k = 1, 2, 3, 4: the output and every gradient equal those of the plain run, and the
-    bytes held after the forward are exactly those of the blocks it keeps whole plus the inputs of the others.
-    """
+    """fn(blocks, x, k): blocks i = 0, k, 2k, ... run under activation checkpointing, the others as they are."""
     batch = 2 + _rank() % 3  # each rank its own batch size and data
     x = torch.randn(batch, SEQ, BLOCK.d_model, generator=torch.Generator().manual_seed(100 + _rank()))
     reference = block_stack(LAYERS)
@@ -71,15 +64,8 @@ BUDGET_MIB, EVAL_BATCHES = 16, 8
 
 
 def check_evaluate(fn: Callable[[nn.Module, list[torch.Tensor]], float]) -> None:
-    """fn(model, batches) -> the mean over the batches of mean(model(x)²), as a float. Checked on 4 blocks and
-    8 batches under a 16 MiB limit (one batch's forward with its saved activations fits, 8 do not), and it must
-    save nothing for a backward that never comes.
-
-    Model and batches are on the rank's device, and so is the limit (activations.memory_limit): the address
-    space on the CPU, the caching allocator's share of the GPU under NCCL, where batches and limit are
-    allocation_scale (16) times larger. (An address-space limit in a process that holds a CUDA context and
-    NCCL's threads would also fail their mappings: a thread's stack, a malloc arena.)
-    """
+    """fn(model, batches) -> the mean over the batches of mean(model(x)²), as a float, under a 16 MiB limit.
+    One batch's forward with its saved activations fits and 8 do not, so it must save nothing for a backward."""
     unmap_freed_memory()
     device = rank_device()
     scale = allocation_scale(device)

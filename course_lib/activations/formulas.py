@@ -1,16 +1,4 @@
-"""Activation memory per transformer layer: the paper's formula, and the course's block derived tensor by tensor.
-
-Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models" (2022), count the bytes a
-GPT layer keeps for backward with 16-bit activations, s = sequence length, b = micro-batch, h = hidden size,
-a = attention heads, t = tensor-parallel size:
-
-    no parallelism          s·b·h·(34 + 5·a·s/h)
-    tensor parallel         s·b·h·(10 + 24/t + 5·a·s/(h·t))
-    + sequence parallel     s·b·h·(34 + 5·a·s/h) / t
-
-Their layer has dropout and a materialized softmax. `course_block_terms` derives the same count for
-`course_lib.models.TransformerBlock` (no dropout, fused or math attention, any dtype), one saved tensor per term.
-"""
+"""Activation memory per transformer layer: the paper's formula, and the course's block derived tensor by tensor."""
 
 from __future__ import annotations
 
@@ -141,21 +129,9 @@ def course_block_bytes(
 
 
 def selective_block_bytes(
-    s: int,
-    b: int,
-    h: int = BLOCK.d_model,
-    a: int = BLOCK.n_heads,
-    d_ff: int = BLOCK.d_ff,
-    *,
-    element_bytes: int = 2,
-    head_multiple: int = 1,
+    s: int, b: int, h: int, a: int, d_ff: int, *, element_bytes: int = 2, head_multiple: int = 1
 ) -> float:
-    """Bytes one checkpointed block keeps under the save-matmuls policy (`recompute.save_matmuls`), flash attention.
-
-    What the policy caches: the outputs of q, k, v, o, up and down and the attention kernel's outputs (its
-    output, padded on CUDA, and the fp32 log-sum-exp); plus the block input that the checkpoint keeps to run the
-    block again.
-    """
+    """Bytes one checkpointed block keeps under the save-matmuls policy (`recompute.save_matmuls`), flash attention."""
     e, tokens, width = element_bytes, s * b, attention_width(h, a, head_multiple)
     return e * tokens * (h + 3 * h + width + h + d_ff + h) + 4 * a * tokens
 
@@ -163,12 +139,7 @@ def selective_block_bytes(
 def stack_bytes(
     per_layer: float, layers: int, block_input: float, recompute: str = "none", selective_per_layer: float = 0.0
 ) -> dict[str, float]:
-    """Activation bytes of `layers` blocks: held after the forward, and at the peak of the backward.
-
-    none: every layer's saved tensors. full: each layer's input only; the backward re-runs one layer at a time,
-    so its saved tensors come back on top. selective: what the policy keeps per layer (selective_per_layer),
-    plus, during one layer's backward, the rest of that layer's tensors.
-    """
+    """Activation bytes of `layers` blocks: held after the forward, and at the peak of the backward."""
     if recompute == "none":
         held = layers * per_layer
         return {"held": held, "peak": held}

@@ -51,12 +51,7 @@ def _storage_key(t: torch.Tensor) -> int:
 
 
 def saved_tensors(output: torch.Tensor, parameters: Iterable[torch.Tensor] = ()) -> list[dict[str, Any]]:
-    """Every tensor saved by the graph behind `output`, parameters left out, each storage once.
-
-    Rows: node (the backward op, e.g. NativeLayerNormBackward0), name (what it saved), shape, dtype, bytes (of the
-    whole storage: a view counts what it keeps alive). A storage saved by several nodes is listed at the first
-    one met, walking back from the output.
-    """
+    """Every tensor saved by the graph behind `output`, parameters left out, each storage once."""
     skip = {_storage_key(p) for p in parameters}
     rows: list[dict[str, Any]] = []
     stack, visited = [output.grad_fn], set()
@@ -95,14 +90,7 @@ def _current_nbytes(ref: StorageWeakRef, recorded: int) -> int:
 
 class LiveBytes(TorchDispatchMode):
     """Within `with LiveBytes() as live:`, the bytes of the tensors created since it began that are still alive.
-
-    `live.now()` at any point; `live.peak` the largest value seen after any op; `live.mark(name)` records now()
-    under a name (e.g. "after forward"). Storage is counted once however many views share it. Tensors made before
-    the mode began (parameters, the input batch) are not counted, nor are a kernel's internal buffers.
-    `live.now(communication=False)` leaves out the buffers a collective wrote into (FSDP's all-gather output):
-    gloo's worker thread drops its reference to them a moment after the collective returns, so whether they are
-    still alive right after one depends on scheduling, not on the program.
-    """
+    `now(communication=False)` leaves out collectives' output buffers: when gloo's thread frees them is scheduling."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -202,7 +190,9 @@ def derived_held(mode: str, layers: int, s: int, b: int, dtype: torch.dtype, dev
     per_layer = course_block_bytes(
         s, b, element_bytes=e, stats_bytes=stats_bytes(dtype, device), head_multiple=multiple
     )
-    selective = selective_block_bytes(s, b, element_bytes=e, head_multiple=multiple)
+    selective = selective_block_bytes(
+        s, b, BLOCK.d_model, BLOCK.n_heads, BLOCK.d_ff, element_bytes=e, head_multiple=multiple
+    )
     kept = "full" if mode == "from scratch" else mode
     return stack_bytes(per_layer, layers, e * s * b * BLOCK.d_model, kept, selective)["held"]
 
@@ -259,10 +249,8 @@ def cuda_memory(fn: Callable[[], Any], device: torch.device) -> dict[str, int]:
 
 
 def cuda_memory_report(step: Callable[[], Any], device: torch.device, snapshot_path: str) -> dict[str, Any]:
-    """On a GPU, the allocator's own record of step(): its peak (`cuda_memory`), `torch.cuda.memory_summary`, and
-    a snapshot of every allocation with its stack (`_record_memory_history`), written to snapshot_path for
-    https://pytorch.org/memory_viz. Expandable segments (PYTORCH_ALLOC_CONF=expandable_segments:True, set here
-    at run time) let a segment grow in place instead of leaving fragments that a later allocation cannot use."""
+    """On a GPU, the allocator's record of step(): peak, memory_summary, and a snapshot for pytorch.org/memory_viz.
+    Expandable segments grow in place instead of leaving fragments a later allocation cannot use."""
     torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     torch.cuda.memory._record_memory_history(max_entries=100_000)
     try:
@@ -305,11 +293,7 @@ class Setup:
 
 
 def estimate(setup: Setup, element_bytes: int = 2, stats_bytes: int = 4) -> dict[str, float]:
-    """Bytes per GPU: parameters, gradients, optimizer state (ZeRO stage over the data-parallel GPUs) and activations.
-
-    Tensor parallelism divides the model states by t before ZeRO shards them over gpus / t data-parallel ranks.
-    Activations are the peak of `formulas.stack_bytes`: 16-bit, flash attention, fp32 LayerNorm statistics (CUDA).
-    """
+    """Bytes per GPU: parameters, gradients, optimizer state (ZeRO over the data-parallel GPUs) and activations."""
     t = setup.tensor_parallel
     states = zero_bytes_per_gpu(setup.parameters / t, setup.gpus // t, setup.zero_stage)
     if setup.offload_optimizer:

@@ -1,10 +1,4 @@
-"""A real out-of-memory under a memory limit set for this process, and the rungs of the ladder that fix it.
-
-On the CPU, `resource.setrlimit(RLIMIT_AS)` caps the process's address space: an allocation beyond it fails
-inside torch's CPU allocator ("DefaultCPUAllocator: can't allocate memory"). On a GPU,
-`torch.cuda.set_per_process_memory_fraction` caps what the caching allocator may take: `torch.OutOfMemoryError`.
-Both are RuntimeErrors raised by the op that asked for the memory, on the rank that ran out.
-"""
+"""A real out-of-memory under a memory limit set for this process, and the rungs of the ladder that fix it."""
 
 from __future__ import annotations
 
@@ -64,11 +58,7 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 def short_message(error: BaseException) -> str:
     """The first line of an out-of-memory error without what varies: the source location, the byte count and,
-    on CUDA, the device's capacity and usage ("Tried to allocate 24.00 MiB. GPU 0 has a total capacity ...").
-
-    What remains is :func:`oom_message` of the device: "RuntimeError: DefaultCPUAllocator: can't allocate
-    memory" on the CPU, "OutOfMemoryError: CUDA out of memory." on a GPU.
-    """
+    on CUDA, the device's capacity and usage ("Tried to allocate 24.00 MiB. GPU 0 has a total capacity ...")."""
     first = str(error).strip().splitlines()[0]
     first = re.sub(r"\[enforce fail at [^\]]*\]\s*(err == 0\.\s*)?", "", first)
     first = re.sub(r":? ?you tried to allocate \d+ bytes.*", "", first)  # the CPU allocator
@@ -121,11 +111,7 @@ def train_step(model: nn.Module, x: torch.Tensor, micro_batches: int = 1) -> flo
 
 def unmap_freed_memory(threshold: int = 64 * 1024) -> None:
     """Make glibc's malloc map every allocation from `threshold` bytes up on its own, and unmap it when freed.
-
-    By default glibc raises that threshold as large blocks are freed and then keeps freed memory in its heap, so the
-    address space a process maps depends on its history; with a fixed threshold it follows the live tensors, and a
-    limit set above it means the same thing every time. (M_MMAP_THRESHOLD is mallopt's parameter -3.)
-    """
+    glibc otherwise raises that threshold and keeps freed memory, so a limit's meaning would depend on history."""
     import ctypes
 
     libc = ctypes.CDLL("libc.so.6")

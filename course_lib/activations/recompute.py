@@ -1,14 +1,4 @@
-"""Activation checkpointing: from scratch with saved-tensor hooks, and with torch.utils.checkpoint.
-
-A block run under checkpointing keeps only its input. Autograd still builds the block's graph, but each tensor
-an op wants to save is replaced by a ticket; the first time backward asks for one, the block's forward runs again
-from the kept input and hands back what the forward had saved. That is what `torch.utils.checkpoint` does with
-`use_reentrant=False`; `checkpoint_from_scratch` is the same idea in a few lines.
-
-Selective checkpointing (`torch.utils.checkpoint.create_selective_checkpoint_contexts`) decides per op: the
-policy `save_matmuls` keeps the outputs of matmuls and of the attention kernel (the costly ops) and recomputes
-the cheap ones (norms, GELU, additions, views).
-"""
+"""Activation checkpointing: from scratch with saved-tensor hooks, and with torch.utils.checkpoint."""
 
 from __future__ import annotations
 
