@@ -47,12 +47,8 @@ def example_data(rank: int, world_size: int, per_rank: int) -> torch.Tensor:
 
 
 def run_collective(name: str, per_rank: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Run the collective `name` (one of COLLECTIVES, SUM for reductions) on every rank's example
-    data; call on all ranks. Returns this rank's (before, after) on the CPU, None where the
-    collective reads or defines nothing on this rank.
-
-    Each rank's full input has N × per_rank elements; gather and all_gather send its first per_rank.
-    """
+    """Run the collective `name` on every rank's example data; returns this rank's (before, after) on the CPU.
+    None where the collective reads or defines nothing on this rank."""
     if name not in COLLECTIVES:
         raise ValueError(f"unknown collective {name!r}: choose one of {COLLECTIVES}")
     rank, n = dist.get_rank(), dist.get_world_size()

@@ -89,9 +89,7 @@ def check_mean_allreduce_hook(fn: CommHook) -> None:
 
 def check_accumulate_step(fn: Callable[..., None]) -> None:
     """fn(ddp_model, micro_batches, optimizer): one step over 2 micro-batches with accumulated gradients.
-    The weights after each step must equal torch DDP's step on the whole rank batch, and DDP must have
-    all-reduced its (single) bucket exactly once per step: no sync is the desync bug, two is no no_sync.
-    And one backward per micro-batch: a single backward on the micro-batches concatenated is no accumulation."""
+    Must equal DDP's step on the whole batch, with one all-reduce per step and one backward per micro-batch."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from course_lib.models import MLP

@@ -65,14 +65,8 @@ def compiled_against_eager(
     parallelize: Callable[[nn.Module, Callable[..., Any] | None], nn.Module] = compile_then_ddp,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = nn.functional.mse_loss,
 ) -> dict[str, Any]:
-    """The same data-parallel training eager and compiled by Inductor, from the same weights on the same batches, the
-    two taking turns. `parallelize(model, backend)` wraps a fresh model, compiled with `backend` (None: eager); the
-    default is `DDP(torch.compile(model))`.
-
-    Returns this rank's loss at each step, the seconds of each one's first step, the graphs compiled by the end of
-    the first step and of the last (more would be a recompile), the parameter bytes of each graph in the order
-    compiled, the graph breaks Dynamo counted, then the fastest step time of each over 10 more steps on the last
-    batch (`seconds_in_turns`)."""
+    """The same data-parallel training eager and compiled (`parallelize(model, backend)`), taking turns.
+    Returns the losses, first-step seconds, graphs compiled (more at the end is a recompile), breaks, fastest step."""
     from torch._dynamo.utils import counters
 
     breaks_before = sum(counters["graph_break"].values())

@@ -52,10 +52,8 @@ def _expected_outer(seed: int, world_size: int, rounds: int) -> list[torch.Tenso
 
 
 def check_diloco_outer_step(diloco_outer_step: Callable[..., Any]) -> None:
-    """Exercise checker: every rank calls diloco_outer_step(model, anchor, outer_optimizer) after its own drift, twice
-    (the second round shows the outer momentum). After each call the model and the anchor must both hold the
-    outer optimizer's new weights, the same on every rank, and each rank may all-reduce at most 4P bytes per call
-    (one average of the pseudo-gradient: what DiLoCo sends)."""
+    """Exercise checker: diloco_outer_step(model, anchor, outer_optimizer) twice (the second shows momentum).
+    Model and anchor must hold the outer step's weights on every rank, for at most 4P bytes all-reduced per call."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     secret: list[Any] = [random.Random().randrange(2**31) if rank == 0 else None]
     dist.broadcast_object_list(secret)

@@ -60,14 +60,8 @@ def check_shard_with_adam_state(fn: Callable[..., Sequence[torch.Tensor]]) -> No
 
 
 def check_reduce_gradient(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """fn(full_grad) -> this rank's tensor_split chunk of the gradient averaged over ranks. Every rank's
-    gradient is its own (seeded by rank), so no rank can compute the answer without the others; sizes
-    that divide by N come first (a wrong cut gives wrong numbers there), then sizes that do not.
-
-    A right answer must also send no more than a reduce-scatter: the calls are recorded, and all-reducing (or
-    all-gathering, or dist.reduce-ing to each rank in turn) the whole gradient to keep one chunk is refused. The cap
-    is halfway between a ring reduce-scatter's (N-1)/N and an all-reduce's 2(N-1)/N of the gradient's bytes, so a
-    ring of uneven chunks passes."""
+    """fn(full_grad) -> this rank's tensor_split chunk of the gradient averaged over ranks (a reduce-scatter).
+    Gradients are seeded by rank, and sending more than halfway to an all-reduce's bytes is refused."""
     rank, n = dist.get_rank(), dist.get_world_size()
     for shape in [(4 * n, 3), (2 * n, 5), (2 * n + 1,), (5, 2 * n + 1)]:
         grads = [torch.randn(shape, generator=torch.Generator().manual_seed(100 * r + sum(shape))) for r in range(n)]

@@ -40,10 +40,8 @@ def train(
     device: torch.device | str = "cpu",
     first_step: int = 0,
 ) -> list[float]:
-    """`steps` optimizer steps of :func:`course_lib.training.train` on the notebook's data, in order. Each global
-    batch has micro_batch x world_size samples; rank r trains on its rows of it (world_size=1: one process, the
-    whole batch: the reference run). `clip()` is called between backward and step (gradient clipping);
-    `first_step` continues a run. Returns rank-local losses."""
+    """`steps` steps of :func:`course_lib.training.train` on the notebook's data; returns rank-local losses.
+    Global batch micro_batch x world_size, so world_size=1 is the reference run; `clip()` runs before each step."""
     return training.train(
         model,
         optimizer,
@@ -122,11 +120,7 @@ def draw_zero_stages(world_size: int = 4) -> None:
 
 
 def prefetch_timeline(units: int, compute: float = 1.0, gather: float = 0.6) -> list[tuple[str, str, float, float]]:
-    """(stream, label, start, end) of one FSDP step on a GPU, from fixed durations (backward costs 2 x forward,
-    a reduce-scatter as much as an all-gather): one all-gather in flight ahead of the compute, as FSDP2 does.
-    Forward: unit i+1's all-gather starts once unit i's compute has started; backward (units in reverse): the next
-    unit's all-gather is issued before this unit's gradient compute, and each gradient is reduce-scattered on a
-    stream of its own after its compute."""
+    """(stream, label, start, end) of one FSDP step from fixed durations, one all-gather in flight ahead (FSDP2)."""
     bars, compute_end, gather_end, reduce_end = [], 0.0, 0.0, 0.0
     compute_start = 0.0
     order = [("F", i) for i in range(units)] + [("B", i) for i in reversed(range(units))]

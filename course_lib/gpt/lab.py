@@ -120,10 +120,8 @@ def sample_text(model: GPT, prompts: list[str], n_new: int = 120, temperature: f
 def drift_tolerance(
     reference: list[float], twin: list[float], factor: float = 20.0, floor: float = 1e-5
 ) -> list[float]:
-    """How far a layout's loss may be from the one-process loss at each step: `floor`, plus `factor` times the
-    largest distance so far between the reference and its twin (one process, the same run in two micro-batches:
-    the same arithmetic summed in another order). Float32 training amplifies such differences, so the
-    tolerance grows with what reordering alone is seen to do, not with the step count."""
+    """How far a layout's loss may be from the one-process loss: `floor` + `factor` x the reorder drift so far.
+    Float32 amplifies reordered sums: the tolerance follows what reordering alone does, not the step count."""
     envelope, out = 0.0, []
     for a, b in zip(reference, twin):
         envelope = max(envelope, abs(a - b))

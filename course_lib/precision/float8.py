@@ -223,11 +223,8 @@ def train_fsdp(
 
 
 def matmul_and_linear_seconds(device: torch.device, n: int = 8192, repeats: int = 10) -> dict[str, float]:
-    """Fastest of `repeats` turns on `device`, in seconds: an n x n x n matmul in bf16 and in float8 (e4m3 with
-    tensor-wise scales, torch's scaled_mm), and a Linear(n, n) forward and backward on n rows in bf16 and as torchao's
-    Float8Linear (its casts included). Float8 matmuls run on tensor cores from SM89 (Ada, Hopper) on; elsewhere
-    (older GPUs, the CPU) torch computes them some other way, and the times say nothing about float8 hardware.
-    """
+    """Fastest seconds of an n³ matmul and a Linear(n, n) step, in bf16 and in float8 (scaled_mm, Float8Linear).
+    Float8 runs on tensor cores from SM89 on; elsewhere the times say nothing about float8 hardware."""
     from torchao.float8 import convert_to_float8_training
 
     from course_lib.launch.runtime import seconds_in_turns

@@ -163,10 +163,8 @@ async def _wait_until_gone(pids: list[int], timeout_s: float) -> list[int]:
 
 
 def _spawn_procs(n: int) -> ProcMesh:
-    """`this_host().spawn_procs` with one line fewer: the first use of `this_host()` in a process starts Monarch's
-    host agent, which writes 'Monarch internal logs are being written to <path>; execution id <time>' straight
-    to file descriptor 2 (no logger or setting controls it). That line alone is dropped; anything else is
-    passed on to stderr."""
+    """`this_host().spawn_procs`, less the log-path line Monarch's host agent writes straight to fd 2.
+    No logger or setting controls that line; anything else is passed on to stderr."""
     with tempfile.TemporaryFile(mode="w+") as captured:
         sys.stderr.flush()
         saved = os.dup(2)
