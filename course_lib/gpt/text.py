@@ -92,7 +92,8 @@ def validation_windows(val: torch.Tensor, seq: int) -> tuple[torch.Tensor, torch
 
 
 def entropy_baselines(tokens: torch.Tensor) -> dict[str, float]:
-    """Nats per character of two models that need no training, fitted on `tokens`:"""
+    """Nats per character of models that need no training (uniform, unigram, bigram), fitted on `tokens`.
+    A transformer whose validation loss is below the unigram entropy has learned to use context."""
     counts = Counter(tokens.tolist())
     n = len(tokens)
     unigram = -sum(c / n * math.log(c / n) for c in counts.values())

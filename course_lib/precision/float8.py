@@ -170,7 +170,7 @@ def train_fsdp(
     lr: float,
     device: torch.device,
 ) -> dict:
-    """SGD on MLP(d_hidden=width, n_layers=2), each Linear an FSDP2 unit of its own, in one of three kinds:"""
+    """SGD on MLP(d_hidden=width, n_layers=2), each Linear an FSDP2 unit, in "fp32", "bf16" or "float8" (torchao)."""
     from course_lib import comms
 
     model, float8_modules = fsdp_model(kind, width, device)
