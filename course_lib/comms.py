@@ -40,6 +40,9 @@ RING: CostModel = {
     "send": lambda n: 1.0,
     "recv": lambda n: 0.0,
     "barrier": lambda n: 0.0,
+    # every rank but the root sends its tensor to the root (gather), or receives its chunk from it (scatter)
+    "gather": lambda n: (n - 1) / n,
+    "scatter": lambda n: (n - 1) / n,
 }
 # gloo's reduce-scatter is an all-reduce on the wire (measured in notebook 03).
 GLOO = {**RING, "reduce_scatter": RING["all_reduce"]}
@@ -55,7 +58,8 @@ class Call:
     """One communication on this rank.
 
     nbytes, the payload: the full tensor of an all-reduce, all-gather (its output), reduce-scatter (its input),
-    broadcast and reduce; the bytes an all-to-all sends to the other ranks; the message of a send or receive.
+    broadcast and reduce; the bytes an all-to-all sends to the other ranks; the message of a send or receive;
+    this rank's tensor of a gather or scatter.
     """
 
     op: str  # all_reduce, all_gather, reduce_scatter, broadcast, reduce, all_to_all, send, recv, barrier, ...
@@ -64,6 +68,7 @@ class Call:
     dtype: torch.dtype
     phase: str  # "backward" inside autograd's backward pass, else "forward"
     inside: str | None = None  # the from-scratch collective this call is part of
+    peer: int | None = None  # the global rank a send goes to or a receive comes from (None: any source)
 
 
 def _nbytes(tensors: Any) -> int:
@@ -112,6 +117,9 @@ _OPS: dict[str, tuple[str, int, Callable[[tuple], int]]] = {
     ),
     "c10d.send": ("send", 1, lambda a: _nbytes(a[0])),
     "c10d.recv_": ("recv", 1, lambda a: _nbytes(a[0])),
+    "c10d.recv_any_source_": ("recv", 1, lambda a: _nbytes(a[0])),
+    "c10d.gather_": ("gather", 2, lambda a: _nbytes(a[1])),  # a non-root rank has no output tensors
+    "c10d.scatter_": ("scatter", 2, lambda a: _nbytes(a[0])),
     "c10d.barrier": ("barrier", 1, lambda a: 0),
     "_c10d_functional.all_reduce": ("all_reduce", 2, lambda a: _nbytes(a[0])),
     "_c10d_functional.all_gather_into_tensor": ("all_gather", 2, lambda a: _nbytes(a[0]) * a[1]),
@@ -147,15 +155,20 @@ class Recorder(TorchDispatchMode):
         known = _OPS.get(f"{func.namespace}.{func._opname}")
         if known is not None:
             op, group_at, payload = known
-            self.record(op, _first(args[0]), _group(args[group_at]), payload(args))
+            group = _group(args[group_at])
+            peer = dist.get_global_rank(group, args[2]) if func._opname in ("send", "recv_") else None
+            tensor = _first(args[1] if op == "gather" else args[0])
+            self.record(op, tensor, group, payload(args), peer)
         return func(*args, **(kwargs or {}))
 
-    def record(self, op: str, tensor: torch.Tensor, group: dist.ProcessGroup | None, nbytes: int) -> None:
+    def record(
+        self, op: str, tensor: torch.Tensor, group: dist.ProcessGroup | None, nbytes: int, peer: int | None = None
+    ) -> None:
         ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
         # autograd's engine runs a graph task while it computes gradients, hooks and backward functions included
         phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
         inside = self._inside[-1] if self._inside else None
-        self.calls.append(Call(op, ranks, nbytes, tensor.dtype, phase, inside))
+        self.calls.append(Call(op, ranks, nbytes, tensor.dtype, phase, inside, peer))
 
     def counts(self, phase: str | None = None) -> dict[str, int]:
         return counts(self.calls, phase)

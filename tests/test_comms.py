@@ -25,6 +25,8 @@ def every_op(rank, world_size):
         dist.reduce_scatter_single(torch.empty(4), x.clone())
         dist.broadcast(x.clone(), 0)
         dist.reduce(x.clone(), 0)
+        dist.gather(x.clone(), [torch.empty(4 * n) for _ in range(n)] if rank == 0 else None, dst=0)
+        dist.scatter(torch.empty(4), [torch.ones(4)] * n if rank == 0 else None, src=0)
         splits = [rank + 1] * n  # rows this rank sends to each rank: uneven on purpose
         received = [r + 1 for r in range(n)]
         dist.all_to_all_single(torch.empty(sum(received), 2), torch.ones(sum(splits), 2), received, splits)
@@ -34,6 +36,7 @@ def every_op(rank, world_size):
         funcol.wait_tensor(funcol.all_reduce(x.double(), "sum", dist.group.WORLD))
         collectives.ring_all_reduce(x.clone())
     pairs = [(c.op, c.nbytes, c.dtype, c.phase, c.inside, c.group) for c in rec.calls if c.inside is None]
+    peers = [(c.op, c.peer) for c in rec.calls if c.inside is None and c.peer is not None]
     ring_sends = [c for c in rec.calls if c.inside == "all_reduce"]
 
     # DDP's bucket all-reduce runs in its C++ reducer, in backward
@@ -50,6 +53,7 @@ def every_op(rank, world_size):
         sub = sub_rec.calls[0].group
     return {
         "pairs": pairs,
+        "peers": peers,
         "ring_sends": [(c.op, c.nbytes) for c in ring_sends],
         "counts": rec.counts(),
         "wire": rec.wire_bytes(),
@@ -71,12 +75,15 @@ def test_every_op_is_recorded_with_its_payload_group_and_phase(world_size):
             ("reduce_scatter", 16 * n, f32, "forward", None, world),  # the reduced input
             ("broadcast", 16 * n, f32, "forward", None, world),
             ("reduce", 16 * n, f32, "forward", None, world),
+            ("gather", 16 * n, f32, "forward", None, world),  # this rank's tensor, on the root and off it
+            ("scatter", 16, f32, "forward", None, world),  # this rank's chunk
             ("all_to_all", (rank + 1) * (n - 1) * 2 * 4, f32, "forward", None, world),  # to the other ranks only
             ("send", 16 * n, f32, "forward", None, world),
             ("recv", 16 * n, f32, "forward", None, world),
             ("all_reduce", 32 * n, f64, "forward", None, world),  # a functional collective, by its group's name
             ("all_reduce", 16 * n, f32, "forward", None, world),  # the ring, announced once
         ]
+        assert got["peers"] == [("send", (rank + 1) % n), ("recv", (rank - 1) % n)]  # the batch's, global ranks
         # the ring's own messages: 2(N-1) sends of a chunk each, marked as the all-reduce's
         assert [op for op, _ in got["ring_sends"] if op == "send"] == ["send"] * 2 * (n - 1)
         assert got["counts"]["all_reduce"] == 3 and got["counts"]["send"] == 1

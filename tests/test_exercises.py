@@ -84,7 +84,7 @@ def test_record_calls_bounds_the_wait_of_an_irecv_and_a_batch(monkeypatch):
     posted = _NeverArrives()
     monkeypatch.setattr(dist, "irecv", lambda tensor, src=None, group=None, tag=0: posted)
     monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: [posted, posted])
-    with record_calls(bound_s=2.5) as calls:
+    with record_calls(bound_s=2.5):
         handle = dist.irecv(torch.empty(3), src=1)
         with pytest.raises(RuntimeError, match="Timed out waiting 2500ms"):
             handle.wait()  # the learner's own wait, without a timeout
@@ -92,6 +92,44 @@ def test_record_calls_bounds_the_wait_of_an_irecv_and_a_batch(monkeypatch):
             with pytest.raises(RuntimeError):
                 work.wait()
     assert posted.waited_with == [datetime.timedelta(seconds=2.5)] * 3
-    assert [(c.name, c.peer) for c in calls] == [("irecv", 1), ("batch_isend_irecv", None)]
-    with record_calls() as calls:  # no bound asked: the handle is torch's own
+    with record_calls():  # no bound asked: the handle is torch's own
         assert dist.irecv(torch.empty(3), src=1) is posted
+
+
+def test_record_calls_refuses_a_forbidden_call_before_it_runs_and_puts_torch_back():
+    import torch
+    import torch.distributed as dist
+
+    from course_lib import comms
+    from course_lib.exercises import ExerciseFailed
+    from course_lib.exercises.calls import record_calls
+
+    torch_own = dist.all_reduce
+    with record_calls(forbidden=["all_reduce"], advice="write the ring") as recorder:
+        assert isinstance(recorder, comms.Recorder)
+        with pytest.raises(ExerciseFailed, match=r"dist\.all_reduce is not allowed here: write the ring"):
+            dist.all_reduce(torch.ones(2))  # no process group: only the refusal can answer
+    assert dist.all_reduce is torch_own and recorder.calls == []
+
+
+def timeouts_around_run_bounded(rank, world_size):
+    import torch.distributed as dist
+
+    from course_lib.exercises.calls import run_bounded
+
+    world = dist.group.WORLD
+
+    def timeout_s():
+        return world._get_backend(world._device_types[0]).options._timeout.total_seconds()
+
+    before = timeout_s()
+    inside, error = run_bounded(timeout_s, seconds=2.5)
+    return {"before": before, "inside": inside, "error": error, "after": timeout_s()}
+
+
+def test_run_bounded_lowers_the_group_timeout_and_gives_the_group_its_own_back():
+    from tests.rank_programs import run_source
+
+    (got,) = run_source(timeouts_around_run_bounded, 1)
+    assert got["inside"] == 2.5 and got["error"] is None
+    assert got["after"] == got["before"] != 2.5  # the launcher's (290 s), not the 300 s the checkers once set

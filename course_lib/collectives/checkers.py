@@ -191,7 +191,7 @@ def check_pass_right(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
     advice = "the exercise is to fix the order of the blocking dist.send and dist.recv"
     with record_calls(forbidden=COLLECTIVES + NONBLOCKING_P2P, advice=advice, bound_s=DEADLOCK_S) as recorded:
         got, error = run_bounded(fn, token.clone())
-    calls = [(call.name, None if call.peer is None else int(call.peer)) for call in recorded]
+    calls = [(call.op, call.peer) for call in recorded.calls]
     reports = gather_reports((calls, error is not None), side)
     made = "; ".join(f"rank {r}: {_describe(c)}" for r, (c, _) in enumerate(reports))
     stuck = [r for r, (_, failed) in enumerate(reports) if failed]

@@ -20,11 +20,9 @@ from course_lib.context_parallel.ring_attention import Ring, RingAttention, ring
 from course_lib.context_parallel.ulysses import heads_to_sequence, ulysses_attention
 from course_lib.exercises import ExerciseFailed, expect_equal, refusing
 from course_lib.exercises.calls import (
-    BLOCKING_P2P,
     COLLECTIVES,
     COMMUNICATION,
     DEADLOCK_S,
-    NONBLOCKING_P2P,
     gather_reports,
     record_calls,
     run_bounded,
@@ -64,7 +62,7 @@ def check_ring_forward(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], 
         expected = F.scaled_dot_product_attention(full_q, full_k, full_v)[:, :, rank * chunk : (rank + 1) * chunk]
         mine = [t.to(rank_device()) for t in (q, k, v)]
         with (
-            record_calls(forbidden=COLLECTIVES, advice=_RING_ONLY, bound_s=DEADLOCK_S) as calls,
+            record_calls(forbidden=COLLECTIVES, advice=_RING_ONLY, bound_s=DEADLOCK_S) as recorder,
             _Watch(mine[0], 2 * k.nbytes) as seen,
             refusing(Ring, RingAttention, ring_attention, why=_WRITE_THE_RING),
         ):
@@ -90,7 +88,7 @@ def check_ring_forward(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], 
                 f"{chunk}): you gathered the blocks with messages and kept them. A ring holds two blocks, the one it "
                 "computes on and the one arriving: attend to each block when it arrives, before the next one"
             )
-        if not any(call.name in BLOCKING_P2P + NONBLOCKING_P2P for call in calls):
+        if not any(call.op in ("send", "recv") for call in recorder.calls):
             raise ExerciseFailed(f"rank {rank} sent no message: its queries need every rank's keys and values")
         if not isinstance(got, torch.Tensor):
             raise ExerciseFailed(f"ring_forward must return a tensor, got {type(got).__name__}")
@@ -149,8 +147,6 @@ def check_heads_to_sequence(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
 
     Only all-to-alls may move the data, and at most one all-to-all's worth of bytes: (N-1)/N of x.
     """
-    from course_lib import comms
-
     rank, n = dist.get_rank(), dist.get_world_size()
     side = side_group()
     for batch, heads_per_rank, chunk, dim in ((2, 1, 3, 4), (1, 2, 2, 3)):
@@ -161,8 +157,7 @@ def check_heads_to_sequence(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         expected = whole[:, :, rank * chunk : (rank + 1) * chunk]
         allowed = ("all_to_all_single", "all_to_all")
         with (
-            record_calls(forbidden=[c for c in COMMUNICATION if c not in allowed], advice=_ALL_TO_ALL) as calls,
-            comms.Recorder() as recorder,
+            record_calls(forbidden=[c for c in COMMUNICATION if c not in allowed], advice=_ALL_TO_ALL) as recorder,
             refusing(heads_to_sequence, ulysses_attention, why=_WRITE_THE_INVERSE),
         ):
             got, error = run_bounded(fn, x.to(rank_device()))
@@ -171,7 +166,7 @@ def check_heads_to_sequence(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         if failed:
             r, e = failed[0]
             raise ExerciseFailed(f"rank {r} raised or waited too long: {e}")
-        if n > 1 and not calls:
+        if n > 1 and not recorder.calls:
             raise ExerciseFailed(f"rank {rank} sent nothing: its tokens of the other ranks' heads are on those ranks")
         budget = x.nbytes * (n - 1) // n
         sent = sum(call.nbytes for call in recorder.calls)

@@ -112,7 +112,7 @@ def check_mean_finite_loss(fn: Callable[[torch.Tensor], object]) -> None:
         everyone = [torch.zeros((), device=device) for _ in range(world)]
         dist.all_gather(everyone, torch.tensor(value, device=device), group=checker_group)
         finite = [float(v) for v in everyone if math.isfinite(float(v))]
-        with record_calls() as calls:  # on the default group, with a DEADLOCK_S timeout while fn runs
+        with record_calls() as recorded:  # on the default group, with a DEADLOCK_S timeout while fn runs
             got, error = run_bounded(fn, torch.tensor(value, device=device))
         if isinstance(error, RuntimeError):
             raise ExerciseFailed(
@@ -123,11 +123,11 @@ def check_mean_finite_loss(fn: Callable[[torch.Tensor], object]) -> None:
             raise error
         counts = [torch.zeros((), dtype=torch.long, device=device) for _ in range(world)]
         try:
-            dist.all_gather(counts, torch.tensor(len(calls), device=device), group=checker_group)
+            dist.all_gather(counts, torch.tensor(len(recorded.calls), device=device), group=checker_group)
         except RuntimeError:
             raise ExerciseFailed(
-                f"{what}: rank {rank} made {len(calls)} collective call(s) and returned, but another rank never "
-                f"returned: it waits in a collective that a rank skipped"
+                f"{what}: rank {rank} made {len(recorded.calls)} collective call(s) and returned, "
+                "but another rank never returned: it waits in a collective that a rank skipped"
             ) from None
         counts_by_rank = [int(c) for c in counts]
         if len(set(counts_by_rank)) > 1:

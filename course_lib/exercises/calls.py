@@ -1,7 +1,7 @@
 """What the exercise checkers use to see that a learner's function communicated, and to end a hang.
 
-record_calls    while active, every torch.distributed communication call is recorded (name and peer), and
-                the forbidden ones raise: the checker sees which collectives and messages each rank used
+record_calls    while active, the forbidden torch.distributed calls raise and every communication is recorded
+                by a comms.Recorder: the checker sees which collectives and messages each rank used
 run_bounded     call the learner's function with a short process-group timeout: a collective some rank never
                 calls becomes an error on the stuck rank in seconds, instead of a hang
 gather_reports  every rank's report through a side gloo group, which the learner's calls cannot desynchronise
@@ -10,16 +10,18 @@ secret_values   numbers only this rank knows: the right answer needs the other r
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import random
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from course_lib import comms
 from course_lib.exercises import ExerciseFailed
 
 COLLECTIVES = (
@@ -44,36 +46,27 @@ COLLECTIVES = (
 )
 BLOCKING_P2P = ("send", "recv")
 NONBLOCKING_P2P = ("isend", "irecv", "batch_isend_irecv")
-COMMUNICATION = COLLECTIVES + BLOCKING_P2P + NONBLOCKING_P2P  # every call record_calls sees
+COMMUNICATION = COLLECTIVES + BLOCKING_P2P + NONBLOCKING_P2P  # every call record_calls can refuse
 DEADLOCK_S = 8.0  # a checked function still waiting this long in a collective, a send or a recv is deadlocked
 
 
 @dataclass
-class Call:
-    """One communication call: its name and, for point-to-point, the peer rank."""
-
-    name: str
-    peer: int | None = None
-
-
-@dataclass
 class record_calls:
-    """``with record_calls(forbidden=...) as calls:`` wraps torch.distributed's communication functions.
+    """``with record_calls(forbidden=...) as recorder:`` wraps torch.distributed's communication functions.
 
-    `calls` lists every call the learner's code made (looked up as ``dist.<name>`` at call time, so
-    ``import torch.distributed as dist`` in the learner's function is seen). A forbidden call raises
-    ExerciseFailed with `advice`. With `bound_s`, a send or recv raises after that many seconds, blocking or
-    at the `wait()` of its isend/irecv (gloo ignores the group's timeout there): for tensors gloo carries (CPU
-    tensors, also on the default group of an NCCL rank, whose CPU part is gloo). NCCL's work.wait does not
-    block the host, so a GPU tensor's send or recv is not bounded.
+    `recorder` is a comms.Recorder: ``recorder.calls`` holds every communication the learner's code made. A
+    forbidden call (looked up as ``dist.<name>`` at call time, so ``import torch.distributed as dist`` in the
+    learner's function is refused too) raises ExerciseFailed with `advice`. With `bound_s`, a send or recv raises
+    after that many seconds, blocking or at the `wait()` of its isend/irecv (gloo ignores the group's timeout
+    there): for tensors gloo carries (CPU tensors, also on the default group of an NCCL rank, whose CPU part is
+    gloo). NCCL's work.wait does not block the host, so a GPU tensor's send or recv is not bounded.
     """
 
     forbidden: Iterable[str] = ()
     advice: str = ""
     bound_s: float | None = None
-    calls: list[Call] = field(default_factory=list)
 
-    def __enter__(self) -> list[Call]:
+    def __enter__(self) -> comms.Recorder:
         self._saved = {name: getattr(dist, name) for name in COMMUNICATION if hasattr(dist, name)}
         self._saved["P2POp"] = original_op = dist.P2POp
         blocked = set(self.forbidden)
@@ -81,26 +74,22 @@ class record_calls:
             setattr(dist, name, self._wrap(name, original, name in blocked))
         # P2POp accepts only the real isend/irecv: hand it those behind the wrappers
         dist.P2POp = _unwrapping(original_op)  # type: ignore[misc,assignment]
-        return self.calls
+        self._recorder = comms.Recorder()
+        return self._recorder.__enter__()
 
     def _wrap(self, name: str, original: Callable, blocked: bool) -> Callable:
-        # send(tensor, dst), recv(tensor, src), and their i- forms: the peer is the second argument
-        peer_key = {"send": "dst", "recv": "src", "isend": "dst", "irecv": "src"}.get(name)
         # A blocking send/recv, bounded: post it and wait at most bound_s (gloo's recv ignores the group timeout)
         post = self._saved.get("i" + name) if name in BLOCKING_P2P and self.bound_s is not None else None
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if blocked:
                 raise ExerciseFailed(f"dist.{name} is not allowed here: {self.advice}")
-            peer = None
-            if peer_key is not None:
-                peer = kwargs.get(peer_key, args[1] if len(args) > 1 else None)
-            self.calls.append(Call(name, peer))
             if post is not None:  # blocking: post it, then wait at most bound_s
                 work = post(*args, **kwargs)
                 if work is not None:
                     _BoundedWork(work, self.bound_s or 0.0, name).wait()
-                return peer
+                # dist.recv returns the sender's rank, dist.send None
+                return kwargs.get("src", args[1] if len(args) > 1 else None) if name == "recv" else None
             posted = original(*args, **kwargs)
             if self.bound_s is None or name not in NONBLOCKING_P2P:
                 return posted
@@ -114,6 +103,7 @@ class record_calls:
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
+        self._recorder.__exit__(kind, error, trace)
         for name, original in self._saved.items():
             setattr(dist, name, original)
 
@@ -148,17 +138,28 @@ def run_bounded(fn: Callable[..., Any], *args: Any, seconds: float = DEADLOCK_S)
     on gloo: bound them with record_calls(bound_s=...).
     ExerciseFailed (a forbidden call) is raised, not returned.
     """
+    with lowered_timeout(seconds):
+        try:
+            return fn(*args), None
+        except ExerciseFailed:
+            raise
+        except Exception as error:  # the learner's code: any error is a report, not a crash of the checker
+            return None, error
+
+
+@contextlib.contextmanager
+def lowered_timeout(seconds: float) -> Iterator[None]:
+    """The default group's timeout is `seconds` inside, and its own again after (the session's, or torchrun's)."""
     from torch.distributed import distributed_c10d as c10d
 
-    c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), None)
+    world = dist.group.WORLD
+    assert world is not None
+    own = world._get_backend(world._device_types[0]).options._timeout  # every backend of the group has the same
+    c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), world)
     try:
-        return fn(*args), None
-    except ExerciseFailed:
-        raise
-    except Exception as error:  # the learner's code: any error is a report, not a crash of the checker
-        return None, error
+        yield
     finally:
-        c10d._set_pg_timeout(datetime.timedelta(seconds=300), None)
+        c10d._set_pg_timeout(own, world)
 
 
 def side_group() -> dist.ProcessGroup:

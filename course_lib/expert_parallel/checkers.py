@@ -11,7 +11,6 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from course_lib import comms
 from course_lib.exercises import ExerciseFailed, expect_equal, refusing
 from course_lib.exercises.calls import COMMUNICATION, gather_reports, record_calls, run_bounded, side_group
 from course_lib.expert_parallel.router import TopKRouter, keep_within_capacity
@@ -47,14 +46,14 @@ def check_dispatch(fn: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.T
             [(int(e), row.tolist()) for t, ex in everyone for row, e in zip(t, ex) if int(e) // per_rank == rank]
         )
         device = rank_device()
-        with record_calls(forbidden=_FORBIDDEN, advice=_ALL_TO_ALL_ONLY) as calls, comms.Recorder() as recorder:
+        with record_calls(forbidden=_FORBIDDEN, advice=_ALL_TO_ALL_ONLY) as recorder:
             got, error = run_bounded(fn, tokens.to(device), experts.to(device), n_experts)
         reports = gather_reports(None if error is None else f"{type(error).__name__}: {error}", side)
         failed = [(r, e) for r, e in enumerate(reports) if e is not None]
         if failed:
             r, e = failed[0]
             raise ExerciseFailed(f"rank {r} raised or waited too long: {e}")
-        if not any(call.name == "all_to_all_single" for call in calls):
+        if not any(call.op == "all_to_all" for call in recorder.calls):  # the only one not refused
             raise ExerciseFailed(f"rank {rank} never called dist.all_to_all_single: {_ALL_TO_ALL_ONLY}")
         away = int((experts // per_rank != rank).sum())  # rows that must leave: each to its expert's rank, once
         budget = away * (tokens[0].nbytes + experts[0].nbytes) + (n - 1) * per_rank * 8  # and the counts

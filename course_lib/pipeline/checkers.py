@@ -183,7 +183,7 @@ def check_pipeline_step(fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], An
         mine = split_into_stages(course_model(n_units=max(p, 2), seed=seed), p)[rank]
         x_here = x if rank == 0 else torch.full_like(x, float("nan"))
         y_here = y if rank == p - 1 else torch.full_like(y, float("nan"))
-        with record_calls(bound_s=DEADLOCK_S) as calls:  # and isend/irecv waits bounded by the group timeout
+        with record_calls(bound_s=DEADLOCK_S) as recorded:  # and isend/irecv waits bounded by the group timeout
             loss, error = run_bounded(fn, mine, x_here, y_here)
         if error is not None:
             signs = ("timed out", "connection closed", "remote worker")
@@ -193,7 +193,7 @@ def check_pipeline_step(fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], An
                 f"rank {rank} of {p}: stuck in recv (batch {batch}; it, or the rank it waited on, gave up after "
                 f"{DEADLOCK_S:g} s): the ranks wait for messages no rank has sent yet: a deadlock"
             ) from None
-        if p > 1 and not calls:
+        if p > 1 and not recorded.calls:
             raise ExerciseFailed(f"rank {rank}: sent and received nothing; stage {rank} needs the other stages' data")
         if rank == p - 1:
             got = float(loss.detach()) if isinstance(loss, torch.Tensor) else loss

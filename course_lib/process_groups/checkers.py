@@ -38,9 +38,9 @@ def check_rank_sum(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         value = secret_values((3,)).to(rank_device())
         expected = value.clone()
         dist.all_reduce(expected)
-        with record_calls() as calls:
+        with record_calls() as recorded:
             got = fn(value.clone())
-        _communicated("rank_sum", calls)
+        _communicated("rank_sum", recorded.calls)
         if not isinstance(got, torch.Tensor):
             raise ExerciseFailed(f"rank_sum must return a tensor, got {type(got).__name__}")
         expect_equal(f"rank_sum(value) on {n} ranks, call {call + 1} with new values", got.cpu(), expected.cpu())
@@ -53,9 +53,9 @@ def check_gather_values(fn: Callable[[int], list[int]]) -> None:
         value = int(secret_values().item()) + 1000 * dist.get_rank()  # + 1000 rank: distinct even if draws collide
         expected: list[Any] = [None] * n
         dist.all_gather_object(expected, value)
-        with record_calls() as calls:
+        with record_calls() as recorded:
             got = fn(value)
-        _communicated("gather_values", calls)
+        _communicated("gather_values", recorded.calls)
         if not isinstance(got, list):
             raise ExerciseFailed(f"gather_values must return a list, got {type(got).__name__}")
         got = [int(v.item()) if isinstance(v, torch.Tensor) else v for v in got]
@@ -81,10 +81,10 @@ def check_mean_loss(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
     dist.all_reduce(expected)
     expected /= n
     printed = io.StringIO()
-    with record_calls() as calls, contextlib.redirect_stdout(printed):
+    with record_calls() as recorded, contextlib.redirect_stdout(printed):
         got, error = run_bounded(fn, loss.clone())
     sys.stdout.write(printed.getvalue())  # the learner sees what their function printed
-    names = [call.name for call in calls]
+    names = [call.op for call in recorded.calls]
     lines = len(printed.getvalue().splitlines())
     reports = gather_reports((names, None if error is None else type(error).__name__, lines), side)
     stuck = [r for r, (_, failed, _) in enumerate(reports) if failed]
@@ -97,7 +97,7 @@ def check_mean_loss(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         )
     if error is not None:
         raise ExerciseFailed(f"mean_loss raised {type(error).__name__}: {str(error)[:200]}")
-    _communicated("mean_loss", calls)
+    _communicated("mean_loss", recorded.calls)
     if not isinstance(got, torch.Tensor):
         raise ExerciseFailed(f"mean_loss must return a tensor, got {type(got).__name__}")
     expect_equal(f"mean_loss(loss) on rank {rank} of {n}", got.reshape(-1).cpu(), expected.cpu())
