@@ -177,12 +177,7 @@ def _describe(calls: list[tuple[str, int | None]]) -> str:
 def check_pass_right(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """fn(token) on every rank must return the left neighbour's token, using blocking send/recv only, in an
     order that cannot deadlock: it must end in time here, and also when a send waits for its receiver.
-
-    The token is a CPU tensor on every backend, so gloo carries the learner's messages (under NCCL the
-    default group's CPU part, "cpu:gloo,cuda:nccl"): a blocking gloo recv waits on the host, where
-    record_calls bounds it, while NCCL's returns at once and leaves the GPU waiting, so a deadlock would
-    surface as a hang, never as this checker's message.
-    """
+    The token is a CPU tensor, so gloo carries it: a blocking recv waits on the host, where record_calls bounds it."""
     rank, n = dist.get_rank(), dist.get_world_size()
     side = side_group()
     token = secret_values((4,))

@@ -20,6 +20,8 @@ from course_lib.compose.lab import (
     counted_accumulation,
     draw_plan,
     draw_rank_grid,
+    format_plan,
+    plan_options,
     plot_held,
     predicted_collectives,
     predicted_traffic,
@@ -44,11 +46,9 @@ from course_lib.compose.planner import (
     ModelShape,
     activation_bytes_per_layer,
     collectives_per_step,
-    format_plan,
     fsdp_collectives,
     microbatches,
     plan,
-    plan_options,
     step_time,
 )
 from course_lib.compose.simulate import Shard, shard_shapes, stage_step, step_collectives

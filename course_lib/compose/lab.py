@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from course_lib.compose.mesh import Dims
-from course_lib.compose.planner import Cluster, ModelShape, collectives_per_step, plan, step_time
+from course_lib.compose.planner import H100_NODES, Cluster, ModelShape, collectives_per_step, plan, step_time
 from course_lib.compose.simulate import Shard
 from course_lib.memory import GB
 
@@ -156,3 +156,54 @@ def draw_rank_grid(pp: int, dp: int, tp: int, gpus_per_node: int) -> None:
     ax.set_ylim(-nodes + 0.4, 0.6)
     ax.axis("off")
     plt.show()
+
+
+def plan_options(
+    m: ModelShape,
+    n_gpus: int,
+    cluster: Cluster = H100_NODES,
+    *,
+    cps: tuple[int, ...] = (1,),
+    virtual: tuple[int, ...] = (1,),
+    **choices: Any,
+) -> list[dict[str, float]]:
+    """Every (dp, tp, pp) of powers of two, tp inside a node, that the model's layers and heads allow, for each
+    context-parallel size in `cps` (dividing the sequence) and virtual stages in `virtual` (v > 1 with pp > 1, the
+    layers divided into pp x v stages), by memory. `choices` (global_batch=, zero_stage=, ...) go to :func:`plan`."""
+    rows = []
+    powers = [2**k for k in range(n_gpus.bit_length())]
+    for cp in cps:
+        for tp in powers:
+            for pp in powers:
+                for v in virtual:
+                    if (
+                        tp > cluster.gpus_per_node
+                        or n_gpus % (tp * pp * cp)
+                        or m.layers % (pp * v)
+                        or m.heads % tp
+                        or m.seq % cp
+                        or (v > 1 and pp == 1)
+                    ):
+                        continue
+                    rows.append(plan(m, n_gpus // (tp * pp * cp), tp, pp, cluster, cp=cp, virtual_stages=v, **choices))
+    return sorted(rows, key=lambda r: r["memory_GB"])
+
+
+def format_plan(rows: list[dict[str, float]]) -> str:
+    """The rows of :func:`plan_options` as a table: memory per GPU, bytes per GPU per step, time per step."""
+    head = (
+        f"{'dp':>3} {'tp':>2} {'pp':>2} {'cp':>2} {'v':>1} {'mb':>4} {'states':>6} {'kept':>5} {'activ':>6}"
+        f" {'memory':>6} {'TP':>6} {'CP':>5} {'DP':>6} {'PP':>5} {'compute':>7} {'TP+CP s':>7} {'DP s':>5}"
+        f" {'bubble':>6} {'step s':>6}"
+    )
+    lines = [head, " " * 23 + "(GB per GPU)" + " " * 14 + "(GB sent per GPU per step)  (seconds per step)"]
+    for r in rows:
+        states = r["params_GB"] + r["grads_GB"] + r["optimizer_GB"]
+        lines.append(
+            f"{r['dp']:>3} {r['tp']:>2} {r['pp']:>2} {r['cp']:>2} {r['v']:>1} {r['microbatches']:>4} {states:>6.1f}"
+            f" {r['kept_GB']:>5.1f} {r['activations_GB'] + r['output_GB']:>6.1f} {r['memory_GB']:>6.1f}"
+            f" {r['tp_comm_GB']:>6.0f} {r['cp_comm_GB']:>5.0f} {r['dp_comm_GB']:>6.0f} {r['pp_comm_GB']:>5.1f}"
+            f" {r['compute_s']:>7.1f} {r['tp_s'] + r['cp_s']:>7.1f} {r['dp_s']:>5.1f} {r['bubble']:>6.1%}"
+            f" {step_time(r):>6.1f}"
+        )
+    return "\n".join(lines)

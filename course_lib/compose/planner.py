@@ -8,7 +8,6 @@ numbers for small layouts.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
 from course_lib.activations.formulas import KORTHIKANTI_TERMS, korthikanti_terms
 from course_lib.comms import sent_per_rank
@@ -294,54 +293,3 @@ def plan(
         "compute_s": flops / (gpus * cluster.peak_TFLOPs * 1e12 * mfu),
         "bubble": ideal_bubble(pp, n_mb, virtual_stages),
     }
-
-
-def plan_options(
-    m: ModelShape,
-    n_gpus: int,
-    cluster: Cluster = H100_NODES,
-    *,
-    cps: tuple[int, ...] = (1,),
-    virtual: tuple[int, ...] = (1,),
-    **choices: Any,
-) -> list[dict[str, float]]:
-    """Every (dp, tp, pp) of powers of two, tp inside a node, that the model's layers and heads allow, for each
-    context-parallel size in `cps` (dividing the sequence) and virtual stages in `virtual` (v > 1 with pp > 1, the
-    layers divided into pp x v stages), by memory. `choices` (global_batch=, zero_stage=, ...) go to :func:`plan`."""
-    rows = []
-    powers = [2**k for k in range(n_gpus.bit_length())]
-    for cp in cps:
-        for tp in powers:
-            for pp in powers:
-                for v in virtual:
-                    if (
-                        tp > cluster.gpus_per_node
-                        or n_gpus % (tp * pp * cp)
-                        or m.layers % (pp * v)
-                        or m.heads % tp
-                        or m.seq % cp
-                        or (v > 1 and pp == 1)
-                    ):
-                        continue
-                    rows.append(plan(m, n_gpus // (tp * pp * cp), tp, pp, cluster, cp=cp, virtual_stages=v, **choices))
-    return sorted(rows, key=lambda r: r["memory_GB"])
-
-
-def format_plan(rows: list[dict[str, float]]) -> str:
-    """The rows of :func:`plan_options` as a table: memory per GPU, bytes per GPU per step, time per step."""
-    head = (
-        f"{'dp':>3} {'tp':>2} {'pp':>2} {'cp':>2} {'v':>1} {'mb':>4} {'states':>6} {'kept':>5} {'activ':>6}"
-        f" {'memory':>6} {'TP':>6} {'CP':>5} {'DP':>6} {'PP':>5} {'compute':>7} {'TP+CP s':>7} {'DP s':>5}"
-        f" {'bubble':>6} {'step s':>6}"
-    )
-    lines = [head, " " * 23 + "(GB per GPU)" + " " * 14 + "(GB sent per GPU per step)  (seconds per step)"]
-    for r in rows:
-        states = r["params_GB"] + r["grads_GB"] + r["optimizer_GB"]
-        lines.append(
-            f"{r['dp']:>3} {r['tp']:>2} {r['pp']:>2} {r['cp']:>2} {r['v']:>1} {r['microbatches']:>4} {states:>6.1f}"
-            f" {r['kept_GB']:>5.1f} {r['activations_GB'] + r['output_GB']:>6.1f} {r['memory_GB']:>6.1f}"
-            f" {r['tp_comm_GB']:>6.0f} {r['cp_comm_GB']:>5.0f} {r['dp_comm_GB']:>6.0f} {r['pp_comm_GB']:>5.1f}"
-            f" {r['compute_s']:>7.1f} {r['tp_s'] + r['cp_s']:>7.1f} {r['dp_s']:>5.1f} {r['bubble']:>6.1%}"
-            f" {step_time(r):>6.1f}"
-        )
-    return "\n".join(lines)

@@ -1,7 +1,4 @@
-"""Notebook 10's exercises, checked on the ranks: ring attention's forward, and Ulysses' way back to the tokens.
-
-The solutions are in notebooks/solutions/10_context_parallel.py, not here.
-"""
+"""Notebook 10's exercises, checked on the ranks: ring attention's forward, and Ulysses' way back to the tokens."""
 
 from __future__ import annotations
 
@@ -46,12 +43,8 @@ _WRITE_THE_RING = (
 
 
 def check_ring_forward(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
-    """fn(q, k, v) -> this rank's rows of softmax(Q Kᵀ/√d) V over the whole sequence (no mask).
-
-    q, k, v (batch, heads, c, d) are chunk r of a sequence cut into N equal chunks, one per rank; the
-    blocks must travel with point-to-point messages (collectives are switched off while fn runs), and no tensor
-    fn makes may span the whole sequence (the shortcut of gathering every block and calling attention once).
-    """
+    """fn(q, k, v) -> this rank's rows of softmax(Q Kᵀ/√d) V over the whole sequence (no mask), by point-to-point
+    messages only; a tensor spanning the whole sequence (gather everything, attend once) is the refused shortcut."""
     rank, n = dist.get_rank(), dist.get_world_size()
     side = side_group()
     for chunk, dim in ((3, 4), (5, 8)):
@@ -143,10 +136,7 @@ _WRITE_THE_INVERSE = (
 
 def check_heads_to_sequence(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """fn(x) -> this rank's tokens of every head: x (batch, h/N, S, d) holds every token of this rank's heads
-    (heads r·h/N ... (r+1)·h/N - 1); the result (batch, h, S/N, d) is the contiguous chunk r of the sequence.
-
-    Only all-to-alls may move the data, and at most one all-to-all's worth of bytes: (N-1)/N of x.
-    """
+    (heads r·h/N ... (r+1)·h/N - 1); the result (batch, h, S/N, d) is the contiguous chunk r of the sequence."""
     rank, n = dist.get_rank(), dist.get_world_size()
     side = side_group()
     for batch, heads_per_rank, chunk, dim in ((2, 1, 3, 4), (1, 2, 2, 3)):

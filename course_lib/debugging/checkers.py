@@ -37,13 +37,7 @@ def _model_with_gradients(seed_offset: int) -> nn.Module:
 
 
 def check_gradients_in_sync(fn: Callable[[nn.Module], object]) -> None:
-    """fn(model) must return True on every rank when gradients agree, False on every rank when not.
-
-    Cases: in sync; one entry nudged on the last rank; on rank 0; two entries swapped on rank 1 (a
-    plain sum would not see it); a parameter without a gradient on every rank (still in sync). The calls are
-    recorded: a rank whose collectives carry more than 64 bytes per gradient tensor and rank (a few checksums
-    each, gathered or reduced) compared the gradients themselves, and is refused.
-    """
+    """fn(model) must return True on every rank when gradients agree, False on every rank when not."""
     rank, world = dist.get_rank(), dist.get_world_size()
 
     def nudge(model, on_rank):

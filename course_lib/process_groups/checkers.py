@@ -64,15 +64,8 @@ def check_gather_values(fn: Callable[[int], list[int]]) -> None:
 
 def check_mean_loss(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """fn(loss) on every rank must return the mean of every rank's loss, with every rank making the same calls,
-    and print one line in all (what each rank prints is captured, counted and shown).
-
-    The broken version all-reduces on rank 0 only: rank 0 waits for partners that never come. The
-    learner's function runs with a short timeout, so that hang ends in seconds; then every rank compares
-    the calls each rank made, through a side group the learner's calls cannot desynchronise.
-    The loss is a CPU tensor on every backend, so gloo carries the learner's all-reduce (under NCCL the
-    default group's CPU part, "cpu:gloo,cuda:nccl"): gloo's lone all-reduce raises at the timeout, where
-    NCCL's would hold the GPU until the watchdog ends the rank, and the learner would read "rank 0 died".
-    """
+    and print one line in all (what each rank prints is captured, counted and shown). The loss is a CPU tensor,
+    so gloo carries it even under NCCL: a lone all-reduce then raises at the short timeout instead of hanging."""
     rank, n = dist.get_rank(), dist.get_world_size()
     side = side_group()
     # Positive, as losses are: the sum of two or more can never equal their mean, so "forgot to divide" always fails.
