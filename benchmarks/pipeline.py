@@ -82,7 +82,7 @@ if versus_torch:
 
 
 def simulated_table(p: int = 4, m: int = 8) -> None:
-    """Bubble and most activations held on one rank (in whole-stage units), simulated: exact, load-free."""
+    """Bubble and the most activations a rank holds at one moment (whole-stage units), simulated: exact, load-free."""
     print(f"simulated, p = {p}, m = {m}, t_F = 1, t_B + t_W = 2 (exact)")
     print(f"{'schedule':29} {'bubble':>7} {'formula':>8} {'peak':>5}")
     lists = {name: pp.schedule_actions(name, p, m) for name in (*pp.SCHEDULES, pp.ZERO_BUBBLE)}
@@ -93,9 +93,11 @@ def simulated_table(p: int = 4, m: int = 8) -> None:
         bubble[schedule] = pp.bubble_fraction(pp.simulate(actions, p * v), p)
         if schedule in ("GPipe", "1F1B", "interleaved 1F1B", "ScheduleLoopedBFS"):
             formula = pp.ideal_bubble(p, m, v)
+        elif schedule == "ScheduleDualPipeV":
+            formula = pp.dualpipev_bubble(p, m)  # DeepSeek: (PP/2 - 1)(F&B + B - 3W)
         else:
             formula = pp.zero_bubble_ideal(p, m, v)
-        peak = max(sum(pp.peak_in_flight(todo).values()) / v for todo in actions.values())  # whole-stage units
+        peak = max(pp.simultaneous_peak(todo) / v for todo in actions.values())  # a rank's peak, whole-stage units
         print(f"{schedule:29} {bubble[schedule]:>7.3f} {formula:>8.3f} {peak:>5g}")
     report(f"ZB-H1 / 1F1B bubble, p={p}, m={m} (simulated)", bubble[pp.ZERO_BUBBLE] / bubble["1F1B"], "<= 0.5")
     print()
