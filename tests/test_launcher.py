@@ -121,14 +121,12 @@ def test_timeout_ends_every_process_and_names_running_ranks():
         except BaseException as exc:  # checked below, in the test's thread
             raised.append(exc)
 
-    start = time.monotonic()
     thread = threading.Thread(target=run)
     thread.start()
     # The token is visible on the run's processes (so the final check can see survivors): agent and both ranks.
-    assert wait_until(lambda: len(_agent_and_workers(token)[1]) == 2, timeout=15), "the ranks did not start"
-    thread.join(30)
+    assert wait_until(lambda: len(_agent_and_workers(token)[1]) == 2, timeout=120), "the ranks did not start"
+    thread.join(120)  # a guard against a hang, not a speed bound: the ranks sleep 600 s
     assert not thread.is_alive(), "launch did not return after its timeout"
-    assert time.monotonic() - start < 35  # the 15 s timeout, then a few seconds to end every process
     assert len(raised) == 1 and isinstance(raised[0], RunTimeoutError), raised
     assert "ranks still running: 0, 1" in str(raised[0])
     assert processes_with(token) == []
@@ -227,22 +225,25 @@ def test_max_restarts_restarts_the_group_after_a_real_process_death():
     assert "attempt 0 failed: rank 1 " in out.stdout  # the rank that died, not the peer that lost it
 
 
-def test_a_rank_stopped_while_it_records_its_error_does_not_stop_the_restart():
+def test_a_rank_stopped_while_it_records_its_error_does_not_stop_the_restart(tmp_path):
     """When rank 1 dies, the agent stops rank 0 and reads its error file: here rank 0 is caught mid-write (its
     json.dump never returns). An error file cut short would make the agent raise instead of restarting (the
     kill-and-resume lesson once ended so); written beside its name and renamed, it is whole or absent."""
-    body = textwrap.dedent("""
-        import json, os, signal, time
+    writing = tmp_path / "rank-0-is-writing"  # rank 1 dies once rank 0 has begun its error file
+    body = textwrap.dedent(f"""
+        import json, os, pathlib, signal, time
         attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
         if attempt == 0 and rank == 0:
             def dump_and_hang(data, file):  # the first bytes, then the agent's SIGTERM arrives
-                file.write('{"message": ')
+                file.write('{{"message": ')
                 file.flush()
+                pathlib.Path({str(writing)!r}).touch()
                 time.sleep(60)
             json.dump = dump_and_hang
             raise RuntimeError("rank 0 lost its peer")
         if attempt == 0 and rank == 1:
-            time.sleep(2)  # rank 0 is writing by now
+            while not pathlib.Path({str(writing)!r}).exists():
+                time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGKILL)
         dist.barrier()
     """)

@@ -44,28 +44,16 @@ _NOT_NAIVE = (
 )
 
 
-class _Messages(comms.Recorder):
-    """comms.Recorder (bytes sent), and the peer of every send and receive this rank posts, in order."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.peers: list[tuple[str, int]] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func.namespace == "c10d" and func._opname in ("send", "recv_"):
-            self.peers.append((func._opname.rstrip("_"), int(args[2])))  # (tensors, group, peer, tag)
-        return super().__torch_dispatch__(func, types, args, kwargs)
-
-
-def _off_the_ring(what: str, messages: _Messages, sizes: list[int], element_size: int) -> str | None:
+def _off_the_ring(what: str, messages: comms.Recorder, sizes: list[int], element_size: int) -> str | None:
     """Why this rank's messages are not a ring's (None if they are): a ring rank sends only to its right neighbour,
     receives only from its left one, and sends N-1 chunks, (N-1)/N of the tensor."""
     rank, n = dist.get_rank(), dist.get_world_size()
     right, left = (rank + 1) % n, (rank - 1) % n
+    peers = [(c.op, c.peer) for c in messages.calls if c.op in ("send", "recv") and c.peer is not None]
     strays = sorted(
         {
             f"{kind} {'to' if kind == 'send' else 'from'} rank {peer}"
-            for kind, peer in messages.peers
+            for kind, peer in peers
             if peer != (right if kind == "send" else left)
         }
     )
@@ -88,7 +76,7 @@ def _ring_only(fn: Callable[..., Any], args: tuple, what: str, sizes: list[int],
     rank (the first offending rank's reason, raised on all of them, so the ranks stay in step)."""
     side = side_group()
     course = {f.__qualname__: f for f in (*_COURSE_RING, ring.naive_all_reduce)}
-    messages = _Messages()
+    messages = comms.Recorder()
     with calls_into(course) as ran:  # refusing(), with a reason for each (sys.setprofile holds one hook at a time)
         try:
             with record_calls(forbidden=COLLECTIVES, advice=_POINT_TO_POINT_ONLY), messages:
