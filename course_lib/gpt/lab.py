@@ -184,10 +184,8 @@ def draw_runs(summaries: list[dict[str, Any]], config: GPTConfig, global_batch: 
     curves.legend(fontsize=7)
     ratios = [achieved(s)["of_limit"] for s in summaries]
     speed.bar(range(len(summaries)), ratios, color="tab:blue")
-    speed.axhline(0.5, color="k", ls="--", lw=1, label="goal for one process")
     speed.set_xticks(range(len(summaries)), names, rotation=20, fontsize=7)
     speed.set(ylabel="achieved / matmul limit", title="FLOP/s against what the ranks can get")
-    speed.legend(fontsize=7)
     _draw_costs(cost, summaries, config, global_batch)
     plt.tight_layout()
     plt.show()
