@@ -24,6 +24,7 @@ import psutil
 import pytest
 
 from course_lib.launch.processes import running
+from tools import probe
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -41,23 +42,19 @@ PIDS = (
 )
 
 
-class Kernel:
-    """An IPython kernel with course_lib loaded; run() returns what a cell printed and raised."""
+class Kernel(probe.Kernel):
+    """The runner's probe kernel (IPC sockets in `tmp`) with course_lib loaded; run() returns what a cell printed."""
 
     def __init__(self, tmp: Path) -> None:
-        from jupyter_client import KernelManager
-
         self.tmp = tmp  # the kernel's TMPDIR: its sessions' folders and %%torchrun runs are in it
         env = {**os.environ, "TMPDIR": str(tmp)}
         env.pop("PYTEST_CURRENT_TEST", None)
-        self.km = KernelManager(kernel_name="python3", transport="ipc", ip=str(tmp / "kernel-ipc"))
-        self.km.start_kernel(env=env)
-        self.kc = self.km.client()
-        self.kc.start_channels()
-        self.kc.wait_for_ready(timeout=120)
+        sockets = tmp.with_name(tmp.name + "-ipc")  # beside TMPDIR: the kernel's command line must not name it
+        sockets.mkdir(mode=0o700)
+        super().__init__(Path.cwd(), env, sockets / probe.SOCKET_NAME)
         assert not self.run("%load_ext course_lib")[1]
 
-    def run(self, code: str, timeout: float = 180) -> tuple[str, str]:
+    def run(self, code: str, timeout: float = 180) -> tuple[str, str]:  # type: ignore[override]
         """(everything printed, the error's name, value and traceback or "") for one cell."""
         printed: list[str] = []
 
@@ -79,7 +76,7 @@ class Kernel:
         assert pids and folder, out
         return [int(p) for p in pids.group(1).split(",")], Path(folder.group(1))
 
-    def close(self) -> None:
+    def close(self) -> None:  # as Jupyter shuts a kernel down: its session ends with it
         self.kc.stop_channels()
         self.km.shutdown_kernel(now=False)
 
