@@ -43,7 +43,7 @@ PIDS = (
 
 
 class Kernel(probe.Kernel):
-    """The runner's probe kernel (IPC sockets in `tmp`) with course_lib loaded; run() returns what a cell printed."""
+    """The runner's probe kernel (sockets beside `tmp`) with course_lib loaded; run() returns what a cell printed."""
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp  # the kernel's TMPDIR: its sessions' folders and %%torchrun runs are in it
