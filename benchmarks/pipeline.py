@@ -89,14 +89,9 @@ def simulated_table(p: int = 4, m: int = 8) -> None:
     lists |= {name: pp.torch_schedule_order(name, p, m) for name in pp.TORCH_SCHEDULES}  # two stages per rank
     bubble = {}
     for schedule, actions in lists.items():
-        v = 1 if schedule in ("GPipe", "1F1B", pp.ZERO_BUBBLE) else 2
+        v = pp.stages_per_rank(schedule)
         bubble[schedule] = pp.bubble_fraction(pp.simulate(actions, p * v), p)
-        if schedule in ("GPipe", "1F1B", "interleaved 1F1B", "ScheduleLoopedBFS"):
-            formula = pp.ideal_bubble(p, m, v)
-        elif schedule == "ScheduleDualPipeV":
-            formula = pp.dualpipev_bubble(p, m)  # DeepSeek: (PP/2 - 1)(F&B + B - 3W)
-        else:
-            formula = pp.zero_bubble_ideal(p, m, v)
+        formula = pp.published_bubble(schedule, p, m)
         peak = max(pp.simultaneous_peak(todo) / v for todo in actions.values())  # a rank's peak, whole-stage units
         print(f"{schedule:29} {bubble[schedule]:>7.3f} {formula:>8.3f} {peak:>5g}")
     report(f"ZB-H1 / 1F1B bubble, p={p}, m={m} (simulated)", bubble[pp.ZERO_BUBBLE] / bubble["1F1B"], "<= 0.5")

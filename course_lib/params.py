@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from course_lib.launch.backend import LaunchError, backend_for, resolve_backend
-from course_lib.launch.spec import check_nproc
+from course_lib.launch.spec import LaunchError, backend_for, check_nproc, resolve_backend
 
 __all__ = ["TRIED_ON_CPU", "ParameterError", "backend_for", "check"]
 

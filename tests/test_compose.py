@@ -155,7 +155,7 @@ def test_context_parallel_splits_the_sequence_and_sends_the_rings_kv():
     """cp=2 in place of half the dp ranks (64 H100, Llama 3 70B at 8192 tokens): each rank computes on half of
     every sequence, FSDP shards over dp x cp as before, and every layer sends K/V around the ring (the notebook 09
     model, in bf16) and dK/dV back (fp32, torch's ring)."""
-    from course_lib.context_parallel.cost import ring_bytes
+    from course_lib.context_parallel.layout import ring_bytes
 
     m = compose.LLAMA_70B
     plain, split = compose.plan(m, 8, 8, 1), compose.plan(m, 4, 8, 1, cp=2)

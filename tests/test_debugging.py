@@ -350,7 +350,7 @@ Thread 25640 (idle): "MainThread"
     <module> (/tmp/torchrun-cell-x/cell.py:19)
     main (course_lib/launch/worker.py:106)
 Thread 25650 (active): "flight-recorder-dump"
-    wait_then_dump (course_lib/debugging/flight.py:40)
+    wait_then_dump (course_lib/debugging/hang.py:40)
 """
 
 

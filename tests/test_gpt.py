@@ -13,7 +13,7 @@ import torch
 
 from course_lib import gpt
 from course_lib.exercises import check, check_prediction
-from course_lib.gpt import snapshot
+from course_lib.gpt.text import REPO, SNAPSHOT_REV, course_prose
 from course_lib.launch import launch
 from tests.rank_programs import assert_checker
 
@@ -26,7 +26,7 @@ def quiet(text, stream):
 
 
 def has_revision(rev: str) -> bool:
-    done = subprocess.run(["git", "cat-file", "-e", f"{rev}^{{commit}}"], cwd=snapshot.REPO, capture_output=True)
+    done = subprocess.run(["git", "cat-file", "-e", f"{rev}^{{commit}}"], cwd=REPO, capture_output=True)
     return done.returncode == 0
 
 
@@ -37,9 +37,9 @@ def test_snapshot_is_small_committed_and_reproducible():
     text = gpt.course_text()
     assert 100e3 < len(text.encode()) < 300e3
     assert "# 00 · torchrun and process groups" in text and "```" in text
-    if not has_revision(snapshot.SNAPSHOT_REV):
-        pytest.skip(f"the history does not hold {snapshot.SNAPSHOT_REV} (a shallow clone)")
-    assert snapshot.course_prose() == text  # the script reproduces the committed file byte for byte
+    if not has_revision(SNAPSHOT_REV):
+        pytest.skip(f"the history does not hold {SNAPSHOT_REV} (a shallow clone)")
+    assert course_prose() == text  # the script reproduces the committed file byte for byte
 
 
 def test_tokenizer_split_and_baselines():

@@ -76,7 +76,7 @@ def test_the_new_flag_alone_trips_torchs_mixed_api_check(setup, message):
 )
 def test_each_elastic_node_takes_its_own_gpu_of_those_the_kernel_sees(monkeypatch, inherited, expected):
     from course_lib.checkpoint import lab
-    from course_lib.launch import backend
+    from course_lib.launch import spec as backend
 
     monkeypatch.setattr(backend, "available_gpus", lambda: 4)  # resolve_backend asks torch.cuda otherwise
     if inherited is None:
@@ -92,7 +92,7 @@ def test_each_elastic_node_takes_its_own_gpu_of_those_the_kernel_sees(monkeypatc
 
 
 def test_a_gpu_beyond_the_inherited_mask_is_refused(monkeypatch):
-    from course_lib.launch.backend import LaunchError, visible_gpu
+    from course_lib.launch.spec import LaunchError, visible_gpu
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     with pytest.raises(LaunchError, match="GPU 1 is not among the 1"):
@@ -102,7 +102,8 @@ def test_a_gpu_beyond_the_inherited_mask_is_refused(monkeypatch):
 @pytest.mark.parametrize(("gpus", "hidden"), [(0, ""), (2, ""), (8, None)], ids=["cpu", "2-gpus", "8-gpus"])
 def test_a_torchrun_started_by_hand_gets_what_a_cell_gives_its_ranks(monkeypatch, gpus, hidden):
     """Notebook 00's subprocess job: 4 gloo ranks on 2 GPUs see none; on 8 they are NCCL ranks and see them."""
-    from course_lib.launch import backend, torchrun_env
+    from course_lib.launch import spec as backend
+    from course_lib.launch import torchrun_env
 
     monkeypatch.setattr(backend, "available_gpus", lambda: gpus)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -208,7 +209,7 @@ def test_a_no_init_cell_does_not_claim_a_backend(monkeypatch, capsys):
     """Notebook 12's RPC cells (`--no-init`) on a node of 2 GPUs: 'auto' resolves to nccl, which no one sets up."""
     from IPython.core.interactiveshell import InteractiveShell
 
-    from course_lib.launch import backend
+    from course_lib.launch import spec as backend
 
     monkeypatch.setattr(backend, "available_gpus", lambda: 2)
     assert backend.describe("nccl", 2) == "backend nccl: 2 ranks, one GPU each (2 on this node)\n"

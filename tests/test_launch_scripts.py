@@ -21,7 +21,7 @@ import nbformat
 import pytest
 from notebook_kit import fake_gpus_code, write_notebook
 
-from course_lib.launch import backend
+from course_lib.launch import spec as backend
 from tools import probe, runner
 
 ROOT = runner.ROOT

@@ -21,12 +21,12 @@ from course_lib.launch import (
     RankFailedError,
     RunSpec,
     RunTimeoutError,
-    backend,
     failures,
     launch,
     processes,
     standalone_script,
 )
+from course_lib.launch import spec as backend
 from course_lib.launch.failures import Attempt, RankFailure, RunResult
 from course_lib.launch.spec import RunDir
 

@@ -12,7 +12,7 @@ from course_lib import rpc as rpc_lib
 from course_lib.compare import max_difference
 from course_lib.exercises import check, check_prediction
 from course_lib.launch import launch
-from course_lib.rpc.agent import _is_torch_internal_backend_notice
+from course_lib.rpc.remote_functions import _is_torch_internal_backend_notice
 from tests.rank_programs import rpc as programs
 from tests.rank_programs import world_sizes
 

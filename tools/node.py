@@ -39,7 +39,7 @@ def nvidia_smi(*args: str) -> str:
 def gather() -> Node:
     import torch
 
-    from course_lib.launch.backend import available_gpus
+    from course_lib.launch.spec import available_gpus
 
     gpus = available_gpus()
     nccl = None

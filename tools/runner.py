@@ -100,7 +100,7 @@ def notebook_defaults(path: Path) -> dict[str, Any]:
 
 def planned_backend(nproc: object, backend: object) -> str:
     """The backend of the NPROC-rank cells (the launcher's rule); the request itself where that refuses it."""
-    from course_lib.launch.backend import LaunchError, resolve_backend
+    from course_lib.launch.spec import LaunchError, resolve_backend
 
     try:
         return resolve_backend(str(backend), int(str(nproc)))

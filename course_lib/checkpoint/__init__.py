@@ -1,12 +1,21 @@
 """Notebook 06: distributed checkpoints: a rank-0 snapshot, torch's DCP, and a sharded checkpointer of our own."""
 
-from course_lib.checkpoint.atomic import METADATA, CheckpointError
+from course_lib.checkpoint.atomic import (
+    METADATA,
+    CheckpointError,
+    files_of,
+    latest_complete,
+    load_full_snapshot,
+    save_full_snapshot,
+    verify,
+)
 from course_lib.checkpoint.checkers import check_newest_complete_step, check_verify_together
-from course_lib.checkpoint.dcp import AppState, AsyncCheckpointer, dcp_load, dcp_save
-from course_lib.checkpoint.elastic_train import train_elastic
-from course_lib.checkpoint.fault_tolerance import LIGHTHOUSE, reference_losses, step_losses, torchft_step
-from course_lib.checkpoint.hf import (
+from course_lib.checkpoint.dcp import (
     CONSOLIDATED,
+    AppState,
+    AsyncCheckpointer,
+    dcp_load,
+    dcp_save,
     empty_sharded_mlp,
     from_rank0,
     from_seed_checkpoint,
@@ -14,7 +23,14 @@ from course_lib.checkpoint.hf import (
     load_safetensors,
     save_safetensors,
 )
-from course_lib.checkpoint.integrity import files_of, latest_complete, verify
+from course_lib.checkpoint.fault_tolerance import (
+    LIGHTHOUSE,
+    SYNC_RUNS,
+    reference_losses,
+    step_losses,
+    synchronised,
+    torchft_step,
+)
 from course_lib.checkpoint.lab import (
     Segment,
     agent_messages,
@@ -25,7 +41,6 @@ from course_lib.checkpoint.lab import (
     run_torchft,
     segments,
 )
-from course_lib.checkpoint.local_sgd import SYNC_RUNS, synchronised
 from course_lib.checkpoint.raw_rows import bytes_read_by_process, row_bytes, write_rows
 from course_lib.checkpoint.sharded import (
     bytes_to_read,
@@ -36,7 +51,6 @@ from course_lib.checkpoint.sharded import (
     save_sharded,
     shard_rows,
 )
-from course_lib.checkpoint.snapshot import load_full_snapshot, save_full_snapshot
 from course_lib.checkpoint.train import (
     differing,
     full_state,
@@ -44,6 +58,7 @@ from course_lib.checkpoint.train import (
     make_optimizer,
     sharded_mlp,
     time_saves,
+    train_elastic,
     train_resumable,
     train_step,
 )

@@ -17,8 +17,7 @@ from typing import Any
 import torch.distributed as dist
 
 from course_lib import comms
-from course_lib.checkpoint.atomic import FORMAT, METADATA, OBJECTS
-from course_lib.checkpoint.integrity import latest_complete, verify
+from course_lib.checkpoint.atomic import FORMAT, METADATA, OBJECTS, latest_complete, verify
 from course_lib.exercises import ExerciseFailed, calls_into
 
 # ---- exercise 2: verify one checkpoint together, each rank reading only its share -------------------------------

@@ -20,13 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from course_lib.checkpoint.elastic_train import EVENTS
-from course_lib.checkpoint.fault_tolerance import LIGHTHOUSE, QUIET
-from course_lib.checkpoint.local_sgd import SYNC_RUNS
+from course_lib.checkpoint.fault_tolerance import LIGHTHOUSE, QUIET, SYNC_RUNS
 from course_lib.checkpoint.sharded import read_plan, shard_rows
+from course_lib.checkpoint.train import EVENTS
 from course_lib.launch import processes
-from course_lib.launch.backend import visible_gpu
-from course_lib.launch.spec import RunDir, RunSpec
+from course_lib.launch.spec import RunDir, RunSpec, visible_gpu
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -40,7 +38,7 @@ if TYPE_CHECKING:
 # and restarts the group at world size 2); node 1 is then stopped (SIGTERM to its agent, as a scheduler
 # preempting it would), node 0's workers lose their peer, and its agent restarts the group at world size 1
 # once the rendezvous has dropped the dead node (its heartbeats stopped). The rank side is
-# :func:`~course_lib.checkpoint.elastic_train.train_elastic`. Everything started here is ended by process
+# :func:`~course_lib.checkpoint.train.train_elastic`. Everything started here is ended by process
 # group and recorded pid, whatever happens, within a hard overall timeout.
 
 # Rendezvous settings (torchrun --rdzv-conf): generous to join, quick to drop a dead node and to close a round.
@@ -400,7 +398,7 @@ def compare_sync(root: str | os.PathLike, *, steps: int = 24, timeout_s: float =
     nodes = [
         _replica(
             f"replica {r}",
-            _body("local_sgd", f"train_synced({str(root)!r}, {r}, {addresses!r}, {steps}, limit_s={timeout_s})"),
+            _body("fault_tolerance", f"train_synced({str(root)!r}, {r}, {addresses!r}, {steps}, limit_s={timeout_s})"),
             timeout_s,
         )
         for r in (0, 1)

@@ -24,8 +24,8 @@ from course_lib.checkpoint.atomic import (
     _prepare,
     _rank_world,
     _sha256,
+    verify,
 )
-from course_lib.checkpoint.integrity import verify
 from course_lib.checkpoint.raw_rows import read_rows, read_whole, row_bytes, write_rows
 
 

@@ -1,7 +1,6 @@
 """Notebook 01: collectives from point-to-point messages, their cost model, and a benchmark."""
 
 from course_lib.collectives.checkers import check_all_gather, check_pass_right, check_reduce_scatter, waiting_forever
-from course_lib.collectives.cost import alpha_beta_time, bus_factor, bytes_sent_per_rank, fit_alpha_beta
 from course_lib.collectives.lab import (
     COLLECTIVES,
     benchmark,
@@ -20,12 +19,16 @@ from course_lib.collectives.lab import (
     ring_all_reduce_states,
     run_collective,
 )
-from course_lib.collectives.p2p import peer
 from course_lib.collectives.ring import (
     all_gather_step_,
+    alpha_beta_time,
+    bus_factor,
+    bytes_sent_per_rank,
     chunk_offsets,
     chunk_sizes,
+    fit_alpha_beta,
     naive_all_reduce,
+    peer,
     reduce_scatter_step_,
     ring_all_gather,
     ring_all_reduce,

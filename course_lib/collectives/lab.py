@@ -13,8 +13,14 @@ import torch
 import torch.distributed as dist
 
 from course_lib import viz
-from course_lib.collectives.cost import alpha_beta_time, bus_factor, bytes_sent_per_rank
-from course_lib.collectives.ring import naive_all_reduce, ring_all_reduce, ring_step
+from course_lib.collectives.ring import (
+    alpha_beta_time,
+    bus_factor,
+    bytes_sent_per_rank,
+    naive_all_reduce,
+    ring_all_reduce,
+    ring_step,
+)
 from course_lib.launch.runtime import rank_device, synchronize
 
 if TYPE_CHECKING:

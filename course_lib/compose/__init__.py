@@ -26,14 +26,17 @@ from course_lib.compose.lab import (
     predicted_collectives,
     predicted_traffic,
 )
-from course_lib.compose.mesh import DIMS, Dims, new_groups_by_hand, rank_grid
 from course_lib.compose.parallelize import (
+    DIMS,
+    Dims,
     apply_fsdp,
     apply_tp,
     loss_fn,
     make_batch,
     make_model,
+    new_groups_by_hand,
     quiet_full_tensor,
+    rank_grid,
     reference_grads,
     shard_loss,
     stage_blocks,

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from course_lib.compose.mesh import DIMS
+from course_lib.compose.parallelize import DIMS
 from course_lib.exercises import ExerciseFailed, expect_equal
 from course_lib.launch.runtime import rank_device
 

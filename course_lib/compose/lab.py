@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from course_lib.compose.mesh import Dims
+from course_lib.compose.parallelize import Dims
 from course_lib.compose.planner import H100_NODES, Cluster, ModelShape, collectives_per_step, plan, step_time
 from course_lib.compose.simulate import Shard
 from course_lib.memory import GB

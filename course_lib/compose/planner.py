@@ -202,7 +202,7 @@ def plan(
     Bytes per micro-batch, activations in `bytes_per_value`: TP all-reduces activations `m.tp_all_reduces` times per
     layer (and the forward's half again when recompute="full" reruns the forward; the embedding's and head's own
     collectives are left out); CP (ring attention, torch's) sends the other ranks' K and V forward, again in
-    backward, and dK/dV (fp32) back, per layer (:mod:`course_lib.context_parallel.cost`; the forward again under full
+    backward, and dK/dV (fp32) back, per layer (:mod:`course_lib.context_parallel.layout`; the forward again under full
     recomputation); PP sends one activation forward and one gradient back per stage boundary, v x pp - 1 of them.
     FSDP's traffic is in :func:`fsdp_collectives`: ZeRO-3 all-gathers parameters (`bytes_per_value`) in every
     micro-batch's forward and backward and reduce-scatters gradients (`reduce_bytes_per_value`, fp32: FSDP2's

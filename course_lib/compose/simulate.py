@@ -24,8 +24,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from course_lib import comms
-from course_lib.compose.mesh import DIMS, Dims
-from course_lib.compose.parallelize import apply_fsdp, apply_tp, loss_fn, make_batch, make_model, stage_blocks
+from course_lib.compose.parallelize import (
+    DIMS,
+    Dims,
+    apply_fsdp,
+    apply_tp,
+    loss_fn,
+    make_batch,
+    make_model,
+    stage_blocks,
+)
 from course_lib.launch.runtime import fake_rank
 
 

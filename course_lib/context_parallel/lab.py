@@ -13,8 +13,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from course_lib.context_parallel.cost import overlap_tokens, ring_bytes_even
-from course_lib.context_parallel.layout import LAYOUTS, all_positions, causal_work, shard_sequence
+from course_lib.context_parallel.layout import (
+    LAYOUTS,
+    all_positions,
+    causal_work,
+    overlap_tokens,
+    ring_bytes_even,
+    shard_sequence,
+)
 from course_lib.context_parallel.ring_attention import ring_attention
 from course_lib.launch.runtime import synchronize
 

@@ -24,7 +24,20 @@ from course_lib.ddp.lab import (
     simulate_buckets,
 )
 from course_lib.ddp.minimal_ddp import MB, MinimalDDP, assign_buckets, on_host_clock, stamp
-from course_lib.ddp.replicas import check_gradient_sync, load_snapshot, save_snapshot
-from course_lib.ddp.train import bytes_written, rank_loader, shuffled_order, train
-from course_lib.ddp.uneven import shadow_all_reduce, train_with_join, uneven_batches, uneven_reference
-from course_lib.ddp.unused import MLPWithBranches, branch_indices
+from course_lib.ddp.train import (
+    bytes_written,
+    check_gradient_sync,
+    load_snapshot,
+    rank_loader,
+    save_snapshot,
+    shuffled_order,
+    train,
+)
+from course_lib.ddp.uneven import (
+    MLPWithBranches,
+    branch_indices,
+    shadow_all_reduce,
+    train_with_join,
+    uneven_batches,
+    uneven_reference,
+)

@@ -1,8 +1,14 @@
 """Notebook 14: debugging and monitoring distributed training."""
 
 from course_lib.debugging.checkers import check_gradients_in_sync, check_mean_finite_loss
-from course_lib.debugging.checksums import checksum_range, gradient_checksums
-from course_lib.debugging.debugger import DistributedDebugger, GradientDesyncError, NonFiniteError, NonFiniteEvent
+from course_lib.debugging.debugger import (
+    DistributedDebugger,
+    GradientDesyncError,
+    NonFiniteError,
+    NonFiniteEvent,
+    checksum_range,
+    gradient_checksums,
+)
 from course_lib.debugging.environment import differing_keys, environment_report, mismatch_fingerprints
 from course_lib.debugging.hang import arm_for_diagnosis, diagnose_hang, processes_of, settled_stacks
 from course_lib.debugging.lab import (
@@ -21,5 +27,4 @@ from course_lib.debugging.lab import (
     trace_event_names,
 )
 from course_lib.debugging.stacks import describe, dump_stack, main_thread, parse_dump
-from course_lib.debugging.stragglers import straggler_steps
-from course_lib.debugging.train import train_monitored
+from course_lib.debugging.stragglers import straggler_steps, train_monitored

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import comms
-from course_lib.debugging.checksums import checksum_range, gradient_checksums
+from course_lib.debugging.debugger import checksum_range, gradient_checksums
 from course_lib.exercises import ExerciseFailed, refusing
 from course_lib.exercises.calls import DEADLOCK_S, record_calls, run_bounded
 from course_lib.launch.runtime import rank_device

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from course_lib.debugging.flight import BUFFER_VARIABLES, FlightRecord, read_flight_records
+from course_lib.debugging.hang import BUFFER_VARIABLES, FlightRecord, read_flight_records
 from course_lib.launch.failures import RankFailure
 from course_lib.launch.runtime import synchronize
 

@@ -13,7 +13,15 @@ from course_lib.expert_parallel.lab import (
     draw_tokens_per_expert,
     dropped,
     imbalance,
+    token_batch,
+    train_load_balance,
 )
-from course_lib.expert_parallel.moe import ExpertParallelMoE, MoE, make_experts
-from course_lib.expert_parallel.router import TopKRouter, capacity, keep_within_capacity, load_balancing_loss
-from course_lib.expert_parallel.train import token_batch, train_load_balance
+from course_lib.expert_parallel.moe import (
+    ExpertParallelMoE,
+    MoE,
+    TopKRouter,
+    capacity,
+    keep_within_capacity,
+    load_balancing_loss,
+    make_experts,
+)

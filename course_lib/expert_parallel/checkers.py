@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from course_lib.exercises import ExerciseFailed, expect_equal, refusing
 from course_lib.exercises.calls import COMMUNICATION, gather_reports, record_calls, run_bounded, side_group
-from course_lib.expert_parallel.router import TopKRouter, keep_within_capacity
+from course_lib.expert_parallel.moe import TopKRouter, keep_within_capacity
 from course_lib.launch.runtime import rank_device
 
 _ALL_TO_ALL_ONLY = "the tokens travel with dist.all_to_all_single (the counts first, then the rows)"

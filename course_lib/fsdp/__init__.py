@@ -1,7 +1,6 @@
 """Notebook 03: ZeRO stages 0-3 from scratch, compared with torch's FSDP2 `fully_shard`."""
 
 from course_lib.fsdp.checkers import check_reduce_gradient, check_shard_with_adam_state
-from course_lib.fsdp.compiled import COMPILE_ORDERS, compile_blocks_then_shard, shard_then_compile
 from course_lib.fsdp.lab import (
     dataset,
     draw_hsdp_mesh,
@@ -11,4 +10,11 @@ from course_lib.fsdp.lab import (
     make_model,
     train,
 )
-from course_lib.fsdp.zero import ShardedUnit, ZeroModel, collectives_per_step
+from course_lib.fsdp.zero import (
+    COMPILE_ORDERS,
+    ShardedUnit,
+    ZeroModel,
+    collectives_per_step,
+    compile_blocks_then_shard,
+    shard_then_compile,
+)

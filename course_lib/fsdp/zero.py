@@ -1,14 +1,17 @@
-"""Notebook 03: ZeRO stages 0-3 from scratch, on the ring collectives of notebook 01."""
+"""Notebook 03: ZeRO stages 0-3 from scratch, on the ring collectives of notebook 01; and torch.compile with FSDP2 in
+two orders (FSDP2's hooks are dynamo-disabled, so compiling blocks first puts graphs between them)."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from course_lib.collectives import chunk_sizes, ring_all_gather, ring_all_reduce, ring_reduce_scatter
+from course_lib.models import shard_layers_then_root
 
 
 def collectives_per_step(stage: int, units: int, clip: bool = False) -> dict[str, int]:
@@ -189,3 +192,29 @@ class ZeroModel(nn.Module):
             "params": [u.full_params for u in self.units if u.full_params is not None],
             "grads": [u.full_grad for u in self.units if u.full_grad is not None],
         }
+
+
+def compile_blocks_then_shard(model: nn.Module, backend: Callable[..., Any] | None) -> nn.Module:
+    """torchtitan's order: `block.compile()` on each of `model.blocks`, then `fully_shard` each block and the root.
+
+    Each block's forward is compiled on its own, between the FSDP2 hooks that run around it; the root's own
+    modules (embeddings, head) stay eager. `backend=None`: the same sharding, nothing compiled."""
+    blocks = list(model.get_submodule("blocks").children())
+    if backend is not None:
+        for block in blocks:
+            block.compile(backend=backend)
+    return shard_layers_then_root(model, blocks)
+
+
+def shard_then_compile(model: nn.Module, backend: Callable[..., Any] | None) -> nn.Module:
+    """The whole model: `fully_shard` each of `model.blocks` and the root, then `torch.compile(model)`.
+
+    Dynamo traces from the top and breaks its graph where it meets an FSDP2 hook. `backend=None`: no compile."""
+    sharded = shard_layers_then_root(model, list(model.get_submodule("blocks").children()))
+    return sharded if backend is None else cast(nn.Module, torch.compile(sharded, backend=backend))
+
+
+COMPILE_ORDERS: dict[str, Callable[[nn.Module, Callable[..., Any] | None], nn.Module]] = {
+    "per block, then fully_shard": compile_blocks_then_shard,
+    "fully_shard, then whole model": shard_then_compile,
+}

@@ -1,7 +1,6 @@
 """Notebook 15, the capstone: a small GPT trained on the course's own prose in every layout of the course."""
 
 from course_lib.gpt.checkers import check_embedding_group, check_rows_on_mesh
-from course_lib.gpt.checkpoints import fingerprint, load, save
 from course_lib.gpt.lab import (
     compiled_against_eager,
     draw_drift,
@@ -22,7 +21,6 @@ from course_lib.gpt.layouts import (
     parallelize,
     sync_tied_gradients,
 )
-from course_lib.gpt.measure import counted_flops, device_peak_flops, matmul_flops, peak_flops_of
 from course_lib.gpt.model import (
     GPT,
     GPTConfig,
@@ -33,6 +31,15 @@ from course_lib.gpt.model import (
     pipeline_stage,
     sample,
 )
-from course_lib.gpt.predict import parameters_before_dp, predicted_memory, predicted_shard_bytes, predicted_traffic
+from course_lib.gpt.predict import (
+    counted_flops,
+    device_peak_flops,
+    matmul_flops,
+    parameters_before_dp,
+    peak_flops_of,
+    predicted_memory,
+    predicted_shard_bytes,
+    predicted_traffic,
+)
 from course_lib.gpt.text import ShardedBatches, course_text, entropy_baselines, split, tokens_and_tokenizer
-from course_lib.gpt.train import default_config, loss_share, pipeline_step, plain_step
+from course_lib.gpt.train import default_config, fingerprint, load, loss_share, pipeline_step, plain_step, save

@@ -13,9 +13,8 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib.gpt.layouts import Layout, layouts
-from course_lib.gpt.measure import device_peak_flops, matmul_flops
 from course_lib.gpt.model import GPT, GPTConfig, flops_per_token, loss_fn, sample
-from course_lib.gpt.predict import predicted_memory, predicted_traffic
+from course_lib.gpt.predict import device_peak_flops, matmul_flops, predicted_memory, predicted_traffic
 from course_lib.gpt.text import split, tokens_and_tokenizer, validation_windows
 from course_lib.gpt.train import default_config, train_layout
 

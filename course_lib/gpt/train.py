@@ -1,15 +1,19 @@
-"""One training run of the capstone, the same in every layout: what a rank runs inside a %%torchrun cell."""
+"""One training run of the capstone, the same in every layout: what a rank runs inside a %%torchrun cell; its
+checkpoint and resume, with notebook 06's DCP pieces."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from course_lib.compare import full_tensor
 from course_lib.gpt.layouts import LR, Layout, make_optimizer, parallelize, sync_tied_gradients
 from course_lib.gpt.model import GPTConfig, loss_fn
 from course_lib.gpt.text import ShardedBatches, split, tokens_and_tokenizer
@@ -84,7 +88,7 @@ def train_layout(layout: Layout, steps: int, global_batch: int = 16, lr: float =
           after_step: Callable[[int], None] | None = None) -> dict[str, Any]:  # fmt: skip
     """`steps` steps of `layout` on this rank (from step 0, or from the checkpoint when resume=True)."""
     from course_lib import comms
-    from course_lib.gpt.checkpoints import fingerprint, load, save
+    from course_lib.gpt.train import fingerprint, load, save
     from course_lib.memory import held_bytes
 
     config = config or default_config()
@@ -134,3 +138,43 @@ def train_layout(layout: Layout, steps: int, global_batch: int = 16, lr: float =
     result["held"] = held_bytes(model, optimizer)
     result["model"], result["optimizer"] = model, optimizer
     return result
+
+
+def save(root: str, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> Path:
+    """dcp.save of model, optimizer and step into root/step_<step> (committed when complete)."""
+    from course_lib.checkpoint import AppState, dcp_save
+
+    return dcp_save(root, step, AppState(model, optimizer, step))
+
+
+def load(root: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Load the newest complete checkpoint under `root` into this layout's model and optimizer; its step."""
+    from course_lib.checkpoint import AppState, dcp_load, latest_complete
+
+    app = AppState(model, optimizer)
+    directory, _ = latest_complete(root)
+    if directory is None:
+        raise FileNotFoundError(f"no complete checkpoint under {root}")
+    dcp_load(directory, app)
+    return app.step
+
+
+def fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    """SHA-256 of every value of the state, whole, by name (a collective when sharded: every rank calls it)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from course_lib.compose import quiet_full_tensor
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state_by_key: Any = optimizer_state["state"]
+    named: dict[str, Any] = {f"model.{k}": v for k, v in model_state.items()}
+    for key, state in state_by_key.items():
+        named.update({f"optimizer.{key}.{name}": value for name, value in state.items()})
+    digest = hashlib.sha256()
+    with quiet_full_tensor():
+        for name in sorted(named):
+            value = named[name]
+            if isinstance(value, torch.Tensor):
+                value = full_tensor(value).detach().cpu().contiguous()
+                digest.update(name.encode() + value.numpy().tobytes())
+    return digest.hexdigest()[:16]

@@ -17,9 +17,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from course_lib.launch.backend import LaunchError, describe
 from course_lib.launch.launcher import run_cell, standalone_script
-from course_lib.launch.spec import RunSpec
+from course_lib.launch.spec import LaunchError, RunSpec, describe
 
 _RDZV_HELP = "torchrun's own flag, passed through (several nodes: see launch/README.md)"
 

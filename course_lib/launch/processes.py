@@ -29,7 +29,7 @@ WORKER = "course_lib.launch.worker"  # the program of a `%%torchrun` cell's rank
 
 
 def torchrun_command(spec: RunSpec, run: RunDir, program: str = WORKER) -> list[str]:
-    """``python -m torch.distributed.run ... --module PROGRAM RUN_DIR`` (a session's: session.engine)."""
+    """``python -m torch.distributed.run ... --module PROGRAM RUN_DIR`` (a session's engines: session.processes)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(spec.nproc)]
     cmd += ["--max-restarts", str(spec.max_restarts), "--monitor-interval", "0.1"]
     cmd += ["--log-dir", str(run.logs), "--redirects", "3"]

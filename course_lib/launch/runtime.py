@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from course_lib.launch.backend import NCCL_PROCESS_GROUP, resolve_backend
+from course_lib.launch.spec import NCCL_PROCESS_GROUP, resolve_backend
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 A model is cut into *stages* (stages.py), one per rank, or several per rank ("virtual stages", for the
 interleaved schedule). A batch is cut into *micro-batches*. A *schedule* is, for every rank, an
 explicit list of actions ``Action("F" or "B", microbatch, stage)`` (schedules.py; zero-bubble schedules add "W",
-the weight gradient of a backward split in two: split_backward.py); :func:`simulate`
+the weight gradient of a backward split in two: stages.py); :func:`simulate`
 computes its ideal timeline or finds its deadlock without running anything (timeline.py), and
 :func:`execute` runs it with point-to-point send/recv (execution.py). lab.py holds one training
 step, ours and torch.distributed.pipelining's, against single-process training; torch's two-stages-per-rank
@@ -41,12 +41,21 @@ from course_lib.pipeline.schedules import (
     ideal_bubble,
     interleaved_actions,
     peak_in_flight,
+    published_bubble,
     schedule_actions,
     simultaneous_peak,
+    stages_per_rank,
     validate,
     zero_bubble_actions,
     zero_bubble_ideal,
 )
-from course_lib.pipeline.split_backward import backward_input, backward_weight, recording_layer_outputs
-from course_lib.pipeline.stages import course_model, local_stages, split_into_stages, stage_boundaries
+from course_lib.pipeline.stages import (
+    backward_input,
+    backward_weight,
+    course_model,
+    local_stages,
+    recording_layer_outputs,
+    split_into_stages,
+    stage_boundaries,
+)
 from course_lib.pipeline.timeline import Deadlock, bubble_fraction, simulate

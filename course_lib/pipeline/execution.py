@@ -17,7 +17,7 @@ from torch import nn
 
 from course_lib.compare import grad_of
 from course_lib.pipeline.schedules import Action
-from course_lib.pipeline.split_backward import backward_input, backward_weight, recording_layer_outputs
+from course_lib.pipeline.stages import backward_input, backward_weight, recording_layer_outputs
 from course_lib.pipeline.timeline import Event
 
 
@@ -76,7 +76,7 @@ def execute(
     holding stage s (default: rank s % p). `min_seconds` pads each action
     to a fixed duration ({"F": ..., "B": ..., "W": ...}), as if every rank had its own device.
     A micro-batch's B whose W is also in the list computes only the input gradient, and
-    W the weight gradients (split_backward.py); its activations are kept until W.
+    W the weight gradients (stages.py); its activations are kept until W.
     An event lasts until the rank has the result in hand (a late wake-up counts as busy).
     Event times are seconds of time.perf_counter(), a clock all processes of one
     machine share, so the ranks' timelines line up. Messages go through `group`

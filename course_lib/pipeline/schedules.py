@@ -159,6 +159,22 @@ def dualpipev_bubble(
     return idle / (m * (t_forward + t_backward) + idle)
 
 
+def stages_per_rank(schedule: str) -> int:
+    """v: one stage per rank for GPipe, 1F1B and ZB-H1; two for the interleaved and torch's two-stage schedules."""
+    return 1 if schedule in ("GPipe", "1F1B", ZERO_BUBBLE) else 2
+
+
+def published_bubble(schedule: str, n_ranks: int, n_microbatches: int) -> float:
+    """The papers' bubble of `schedule` with t_F = t_B = t_W: Narayanan's where only v shortens the ramp (GPipe,
+    1F1B, interleaved, looped BFS), DeepSeek's for DualPipeV, Qi et al.'s where W fills it (the zero-bubble ones)."""
+    p, m, v = n_ranks, n_microbatches, stages_per_rank(schedule)
+    if schedule in (*SCHEDULES, "ScheduleLoopedBFS"):
+        return ideal_bubble(p, m, v)
+    if schedule == "ScheduleDualPipeV":
+        return dualpipev_bubble(p, m)
+    return zero_bubble_ideal(p, m, v)
+
+
 def validate(actions: dict[int, list[Action]], n_stages: int, n_microbatches: int) -> None:
     """Every forward and backward (and W, if any) of every (stage, micro-batch) exactly once, on its stage's rank."""
     n_ranks = len(actions)

@@ -1,7 +1,12 @@
-"""The model of notebook 09 and how it is cut into pipeline stages."""
+"""The model of notebook 09, how it is cut into pipeline stages, and its backward split in two for zero-bubble
+schedules: B (input gradient) now, W (weight gradients) later, without going through the stage again."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
 from torch import nn
 
 from course_lib.models import MLP
@@ -50,3 +55,44 @@ def local_stages(model: nn.Sequential, rank: int, n_ranks: int, n_virtual: int =
     """The stages rank `rank` holds when `model` is cut into n_ranks * n_virtual stages: rank, rank + p, ..."""
     stages = split_into_stages(model, n_ranks * n_virtual)
     return {s: stages[s] for s in range(rank, n_ranks * n_virtual, n_ranks)}
+
+
+Layers = list[tuple[nn.Module, torch.Tensor]]  # (a module that owns parameters, its output in this forward)
+
+
+@contextmanager
+def recording_layer_outputs(stage: nn.Module) -> Iterator[Layers]:
+    """During the block, every forward of a submodule that owns parameters appends (module, output)."""
+    layers: Layers = []
+    owners = [m for m in stage.modules() if next(m.parameters(recurse=False), None) is not None]
+    hooks = [m.register_forward_hook(lambda module, _inputs, out: layers.append((module, out))) for m in owners]
+    try:
+        yield layers
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def backward_input(
+    x: torch.Tensor, out: torch.Tensor, grad: torch.Tensor | None, layers: Layers
+) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """B: (d loss / d x, or None on the first stage; d loss / d output of each layer).
+
+    autograd.grad computes only what leads to the tensors it is asked for: the stage's
+    input and the layers' outputs, which lie on that path anyway. No weight gradient is
+    computed; the graph is kept for W.
+    """
+    wanted = [y for _, y in layers] + ([x] if x.requires_grad else [])
+    grads = list(torch.autograd.grad(out, wanted, grad_outputs=grad, retain_graph=True))
+    input_grad = grads.pop() if x.requires_grad else None
+    return input_grad, grads
+
+
+def backward_weight(layers: Layers, output_grads: list[torch.Tensor]) -> None:
+    """W: each layer's weight gradients (accumulated in .grad) from the gradient B left at its output.
+
+    `inputs=` limits autograd to the layer's own parameters: for a Linear that is one
+    product, grad_output^T @ input, and the backward stops there.
+    """
+    for (layer, y), dy in zip(layers, output_grads):
+        torch.autograd.backward(y, dy, inputs=list(layer.parameters(recurse=False)))

@@ -1,6 +1,5 @@
 """Notebook 04: number formats, autocast inspection, and dynamic loss scaling from scratch."""
 
-from course_lib.precision.anti_pattern import MixedPrecisionTrainer
 from course_lib.precision.checkers import check_clipped_scaler_step, check_found_inf
 from course_lib.precision.float8 import (
     cast_error,
@@ -16,7 +15,17 @@ from course_lib.precision.float8 import (
     train_fsdp,
     why_high_precision,
 )
-from course_lib.precision.inspection import inspect_fsdp2_mixed_precision, record_op_dtypes
+from course_lib.precision.inspection import (
+    DTYPE_NAMES,
+    FLOAT8_DTYPES,
+    FLOAT_DTYPES,
+    LAYOUT,
+    bit_fields,
+    inspect_fsdp2_mixed_precision,
+    record_op_dtypes,
+    rounding_error,
+    stored_value,
+)
 from course_lib.precision.lab import (
     draw_float8_layouts,
     draw_op_dtypes,
@@ -26,14 +35,5 @@ from course_lib.precision.lab import (
     matmul_tflops,
     special_patterns,
 )
-from course_lib.precision.loss_scaler import DynamicLossScaler, found_inf_across_ranks
-from course_lib.precision.number_formats import (
-    DTYPE_NAMES,
-    FLOAT8_DTYPES,
-    FLOAT_DTYPES,
-    LAYOUT,
-    bit_fields,
-    rounding_error,
-    stored_value,
-)
+from course_lib.precision.loss_scaler import DynamicLossScaler, MixedPrecisionTrainer, found_inf_across_ranks
 from course_lib.precision.train import PRECISION_MODES, amp_training_loop, rank_batches, train_precision_mode

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from course_lib.precision.inspection import FLOAT8_DTYPES, FLOAT_DTYPES
 from course_lib.precision.lab import finfo_table
-from course_lib.precision.number_formats import FLOAT8_DTYPES, FLOAT_DTYPES
 
 # ---- torchao's load-time log lines ----------------------------------------------------------------------------------
 # `import torchao` tries to load each of its compiled kernel libraries (_C_mxfp8, _C_cutlass_90a: CUDA kernels for

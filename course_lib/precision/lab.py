@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from course_lib.precision import number_formats as formats
+from course_lib.precision import inspection as formats
 
 # The tables and figures of notebook 04: the formats' range and precision, (GPU only) matmul throughput, and the
 # explorer of how a number is stored and which scaled gradients fp16 keeps.

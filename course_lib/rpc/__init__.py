@@ -1,6 +1,5 @@
 """Notebook 12: remote procedure calls (torch.distributed.rpc)."""
 
-from course_lib.rpc.agent import start
 from course_lib.rpc.checkers import Counter, Rendezvous, check_counter, check_join_round
 from course_lib.rpc.distributed_autograd import distributed_training_step, local_training_step, three_stage_model
 from course_lib.rpc.lab import draw_loss_curves, draw_single_controller, fit_latency_model, rpc_latency
@@ -16,6 +15,7 @@ from course_lib.rpc.remote_functions import (
     captured_stderr,
     fail,
     sleep_then_return,
+    start,
     wait_for_slow_call,
     who_am_i,
 )

@@ -13,7 +13,7 @@ import torch.distributed.rpc as rpc
 
 from course_lib.exercises import ExerciseFailed
 from course_lib.exercises.calls import DEADLOCK_S
-from course_lib.rpc.agent import start, worker_name
+from course_lib.rpc.remote_functions import start, worker_name
 
 AddFn = Callable[[rpc.RRef, int], int]  # add_fn(counter_rref, amount) -> the total after this update
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed.rpc as rpc
 
-from course_lib.rpc.agent import worker_name
+from course_lib.rpc.remote_functions import worker_name
 from course_lib.rpc.train import (
     load_parameters,
     loss_and_gradients,

@@ -16,7 +16,7 @@ from typing import Any
 
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 
-from course_lib.launch.backend import LaunchError
+from course_lib.launch.spec import LaunchError
 from course_lib.session import session as sessions
 from course_lib.session.session import NO_SESSION, PROCESS_GROUP_TIMEOUT_S, Settings
 

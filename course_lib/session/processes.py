@@ -9,6 +9,9 @@ reaches them: the controller's heartmonitor (a forked multiprocessing child, wha
 session id (:func:`end_sessions`): by the kernel when the session stops, and by a watcher
 (:func:`start_watcher`) when the kernel dies, however it dies. Nothing is ended by name. All files of
 a session live in one private temporary folder (mode 0700), removed when the session stops.
+
+What torchrun starts on each rank (`--module course_lib.session.processes SESSION_DIR`, :func:`main`) records its
+pid and serves cells as the ipyparallel engine whose id is the rank; :func:`prepare` then joins the process group.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from course_lib.launch.failures import exit_codes, how_it_ended
 from course_lib.launch.processes import agent_env, die_with_kernel, kill_group, torchrun_command
@@ -78,13 +82,13 @@ def start_controller(folder: SessionDir) -> subprocess.Popen:
     return _start(cmd, folder.controller_log)
 
 
-def start_agent(folder: SessionDir, nproc: int, backend: str) -> subprocess.Popen:
-    """torchrun with one course_lib.session.engine per rank, as for a `%%torchrun` cell (its command and
+def start_engines(folder: SessionDir, nproc: int, backend: str) -> subprocess.Popen:
+    """torchrun with one engine (:func:`main`) per rank, as for a `%%torchrun` cell (its command and
     environment: gloo ranks see no GPU), the engines' output teed into agent.log."""
     spec = RunSpec(nproc=nproc, backend=backend, stream=True)
     env = agent_env(spec)
     env["IPP_NONINTERACTIVE"] = "1"  # no progress widgets inside the engines
-    return _start(torchrun_command(spec, folder, "course_lib.session.engine"), folder.agent_log, env)
+    return _start(torchrun_command(spec, folder, "course_lib.session.processes"), folder.agent_log, env)
 
 
 def tail(log: Path, lines: int = 15) -> str:
@@ -225,3 +229,45 @@ def end(procs: list[subprocess.Popen], folder: SessionDir, watcher: subprocess.P
         except subprocess.TimeoutExpired:  # still starting on a loaded machine: nothing is left to watch
             watcher.kill()
             watcher.wait()
+
+
+def prepare(backend: str, timeout_s: float) -> dict[str, Any]:
+    """Join the process group; the namespace of the rank's cells: torch, dist, rank, world_size, local_rank, device."""
+    import torch
+    import torch.distributed as dist
+
+    from course_lib.launch.runtime import init_distributed
+
+    ctx = init_distributed(backend, timeout_s=timeout_s)
+    return {
+        "torch": torch,
+        "dist": dist,
+        "rank": ctx.rank,
+        "world_size": ctx.world_size,
+        "local_rank": ctx.local_rank,
+        "device": ctx.device,
+    }
+
+
+def main(folder: Path) -> None:
+    from course_lib.launch.worker import start_rank
+
+    session = SessionDir(folder)
+    _, rank, _ = start_rank(session)  # dies with the agent, records its pid as a cell's rank does
+
+    from ipyparallel.engine.app import IPEngine
+
+    IPEngine.launch_instance(
+        [
+            f"--file={session.engine_file}",
+            f"--profile-dir={session.profile}",
+            f"--IPEngine.id={rank}",
+            "--IPEngine.enable_nanny=False",  # the kernel signals engines by pid: no extra process
+            f"--IPEngine.wait_for_url_file={START_TIMEOUT_S}",  # started with the controller, not after it
+            "--log-level=WARN",
+        ]
+    )
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

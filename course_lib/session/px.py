@@ -1,7 +1,7 @@
 """ipyparallel's `%%px` / `%px` / `%autopx` on the session's view, with two changes.
 
 Output is shown once the cell ends as `%%torchrun` shows it: `[rank R]` lines in rank order, one
-block for stdout and one for stderr (launch.output.by_rank; deterministic for nbval). The wait
+block for stdout and one for stderr (launch.launcher.by_rank; deterministic for nbval). The wait
 watches the ranks (Session.wait), so a dead rank, a stuck collective or an interrupt ends the cell
 with a message that says what happened and what to do (Session.explain, Session.interrupt).
 """
@@ -14,7 +14,7 @@ from typing import Any
 from ipyparallel.client.magics import ParallelMagics
 from IPython import get_ipython
 
-from course_lib.launch.output import by_rank, print_to_notebook
+from course_lib.launch.launcher import by_rank, print_to_notebook
 from course_lib.session import session as sessions
 
 

@@ -16,10 +16,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from course_lib.launch.backend import LaunchError
 from course_lib.launch.failures import RankFailedError, RankFailure, describe
 from course_lib.launch.processes import running
-from course_lib.launch.spec import RunSpec
+from course_lib.launch.spec import LaunchError, RunSpec
 from course_lib.session import processes
 from course_lib.session.processes import START_TIMEOUT_S, SessionDir
 
@@ -50,11 +49,6 @@ def current() -> Session:
     if _SESSION is None:
         raise LaunchError(NO_SESSION)
     return _SESSION
-
-
-def view() -> Any:  # an ipyparallel DirectView
-    """The DirectView of the running session: its targets are the ranks (engine id == rank)."""
-    return current().view
 
 
 def start(settings: Settings) -> Session:
@@ -105,7 +99,7 @@ class Session:
         # Both at once: the engines import torch while the controller starts, then wait for its file.
         controller = processes.start_controller(self.folder)
         self.procs.append(processes.watch_over(self.watcher, controller))
-        agent = processes.start_agent(self.folder, self.settings.nproc, self.settings.backend)
+        agent = processes.start_engines(self.folder, self.settings.nproc, self.settings.backend)
         self.procs.append(processes.watch_over(self.watcher, agent))
         while self.client is None or len(self.client.ids) < self.settings.nproc:
             died = self.dead()
@@ -119,7 +113,7 @@ class Session:
             time.sleep(0.05)
         self.view = self.client[self.ranks]
         self.view.block = True
-        setup = "from course_lib.session.engine import prepare as _prepare\n"
+        setup = "from course_lib.session.processes import prepare as _prepare\n"
         setup += f"globals().update(_prepare({self.settings.backend!r}, {self.settings.timeout!r}))\ndel _prepare\n"
         result = self.view.execute(setup, block=False)
         self.wait(result)
