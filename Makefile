@@ -25,7 +25,7 @@ course: $(STAMP)      ## execute every notebook into build/course/ and print a s
 	$(PY) -m tools.runner --out build/course $(ARGS)
 
 test: $(STAMP)        ## unit tests of course_lib (one world size each: 3 where a test covers several), and nbval: every notebook once
-	$(PY) -m pytest tests notebooks $(NBVAL) -m "not sweep" --ignore=tests/browser $(XDIST) --dist loadfile $(ARGS)
+	$(PY) -m pytest notebooks tests $(NBVAL) -m "not sweep" --ignore=tests/browser $(XDIST) --dist loadfile $(ARGS)
 
 # The sweeps (tests marked `sweep`): every notebook under papermill at each of NPROCS but its own (nbval runs it
 # there); each notebook's setup at NPROC 1-8 on 0-8 faked GPUs; the multi-rank tests at their other world sizes.

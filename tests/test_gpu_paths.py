@@ -212,7 +212,7 @@ def test_a_no_init_cell_does_not_claim_a_backend(monkeypatch, capsys):
     from course_lib.launch import spec as backend
 
     monkeypatch.setattr(backend, "available_gpus", lambda: 2)
-    assert backend.describe("nccl", 2) == "backend nccl: 2 ranks, one GPU each (2 on this node)\n"
+    assert backend.describe_backend("nccl", 2) == "backend nccl: 2 ranks, one GPU each (2 on this node)\n"
     ip = InteractiveShell.instance()
     ip.run_line_magic("load_ext", "course_lib")
     capsys.readouterr()

@@ -458,9 +458,9 @@ def test_more_ranks_than_gpus_is_refused_for_nccl_and_gloo_for_auto(monkeypatch)
     assert [backend.resolve_backend("auto", n) for n in (1, 2, 3, 4)] == ["nccl", "nccl", "gloo", "gloo"]
     assert [backend.backend_for(n, "nccl") for n in (2, 3)] == ["nccl", "gloo"]  # a notebook's derived sizes
     assert backend.backend_for(2, "gloo") == "gloo"
-    assert "gloo: 3 ranks as CPU processes" in backend.describe("gloo", 3)
+    assert "gloo: 3 ranks as CPU processes" in backend.describe_backend("gloo", 3)
     monkeypatch.setattr(backend, "available_gpus", lambda: 0)
-    assert backend.resolve_backend("auto", 1) == "gloo" and backend.describe("gloo", 2) == ""
+    assert backend.resolve_backend("auto", 1) == "gloo" and backend.describe_backend("gloo", 2) == ""
 
 
 def test_out_naming_a_variable_a_rank_never_set(shell):

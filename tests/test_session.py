@@ -244,7 +244,7 @@ def test_a_rank_raises_names_rank_exception_and_line(session):
     assert not session.run("%px x = rank + 1")[1]
     _, error = session.run("%%px\ny = 1\nif rank == 1:\n    raise ValueError('boom on one rank')")
     said = "rank 1 raised ValueError: boom on one rank\n  at cell line 3: raise ValueError('boom on one rank')"
-    assert said in error, error  # as a %%torchrun cell would say it (launch.failures.describe)
+    assert said in error, error  # as a %%torchrun cell would say it (launch.failures.describe_failures)
     assert "rank 0 raised" not in error
     out, error = session.run("%%px\nprint(y, x)")  # what the ranks held before, and what the cell set first
     assert out == by_rank("1 1", "1 2"), (out, error)

@@ -27,6 +27,7 @@ from course_lib.compare import full_gradients, local_tensor, saved_activation_by
 from course_lib.launch.runtime import seconds_in_turns
 from course_lib.memory import GB, zero_bytes_per_gpu
 from course_lib.models import BLOCK
+from course_lib.precision.inspection import DTYPE_NAMES
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -40,8 +41,6 @@ if TYPE_CHECKING:
 #   bytes are still alive: the bytes held at any moment and their peak, on the CPU as on a GPU, and whatever keeps
 #   a tensor alive (autograd's saved tensors, a checkpoint's inputs, selective checkpointing's cache).
 # - `matmul_flops`: the FLOPs of the matmuls a function runs, forward and backward (torch's FlopCounterMode).
-
-DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 
 
 def _storage_key(t: torch.Tensor) -> int:

@@ -112,7 +112,7 @@ class AsyncCheckpointer:
         self.pending = (future, partial, final)
 
     def wait(self) -> None:
-        """Block until the save in flight is on disk, and commit it."""
+        """Block until the save in flight is on disk and committed, on every rank."""
         if self.pending is None:
             return
         future, partial, final = self.pending
@@ -120,6 +120,8 @@ class AsyncCheckpointer:
         future.result()  # on rank 0 this returns after every rank's data and the metadata are written
         if _rank_world()[0] == 0:
             _commit(partial, final)
+        if self.group is not None:
+            dist.barrier(group=self.group)  # no rank goes on to read it before rank 0 has renamed it
 
 
 CONSOLIDATED = "model-00001-of-00001.safetensors"  # DCP's name for file 1 of 1 (Hugging Face's pattern)

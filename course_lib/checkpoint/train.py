@@ -216,7 +216,7 @@ def wait_for_membership_change(limit_s: float, on_ready: Callable[[], None] = la
     raise TimeoutError(f"no node joined or left within {limit_s:.0f} s")
 
 
-def reference_losses(total_steps: int, global_batch: int) -> list[float]:
+def uninterrupted_losses(total_steps: int, global_batch: int) -> list[float]:
     """The same training from step 0, uninterrupted, at this world size: what the elastic run must match."""
     rank, world = dist.get_rank(), dist.get_world_size()
     data = regression(n=480)
@@ -244,7 +244,7 @@ def _reference_once(root: Path, total_steps: int, global_batch: int) -> None:
     todo = [not reference.exists() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(todo)
     if todo[0]:
-        losses = reference_losses(total_steps, global_batch)
+        losses = uninterrupted_losses(total_steps, global_batch)
         if dist.get_rank() == 0:
             reference.write_text(json.dumps(losses))
 

@@ -2,7 +2,7 @@
 
 from course_lib.collectives.checkers import check_all_gather, check_pass_right, check_reduce_scatter, waiting_forever
 from course_lib.collectives.lab import (
-    COLLECTIVES,
+    EXPLORER_COLLECTIVES,
     benchmark,
     contribution_label,
     contributors,

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 # Rank side: call :func:`run_collective` on every rank (``view.apply_sync(run_collective, name, k)``).
 
 # The explorer's choices; the first is its default view.
-COLLECTIVES = [
+EXPLORER_COLLECTIVES = [
     "reduce_scatter_single",
     "all_gather_single",
     "all_reduce",
@@ -55,8 +55,8 @@ def example_data(rank: int, world_size: int, per_rank: int) -> torch.Tensor:
 def run_collective(name: str, per_rank: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Run the collective `name` on every rank's example data; returns this rank's (before, after) on the CPU.
     None where the collective reads or defines nothing on this rank."""
-    if name not in COLLECTIVES:
-        raise ValueError(f"unknown collective {name!r}: choose one of {COLLECTIVES}")
+    if name not in EXPLORER_COLLECTIVES:
+        raise ValueError(f"unknown collective {name!r}: choose one of {EXPLORER_COLLECTIVES}")
     rank, n = dist.get_rank(), dist.get_world_size()
     x = example_data(rank, n, per_rank).to(rank_device())
     share = x[:per_rank].clone()

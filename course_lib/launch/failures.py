@@ -167,7 +167,7 @@ def final_failures(attempts: list[Attempt], agent_log: str) -> list[RankFailure]
     return died + list(raised) + stopped
 
 
-def describe(failures: list[RankFailure], cell_source: list[str]) -> str:
+def describe_failures(failures: list[RankFailure], cell_source: list[str]) -> str:
     """The first failure in full; the ranks that failed because of it in one line each."""
     first, rest = failures[0], failures[1:]
     text = f"rank {first.rank} {'raised ' if first.kind == 'raised' else ''}{first.summary}"
@@ -189,7 +189,7 @@ def failed_error(returncode: int, result: RunResult, cell_source: list[str], max
     tail = "\n".join(result.agent_log.strip().splitlines()[-15:])
     used = len(result.attempts) - 1
     if failures:
-        message = describe(failures, cell_source)
+        message = describe_failures(failures, cell_source)
         if used >= max_restarts:
             return RankFailedError(message, failures)
         message += (

@@ -18,7 +18,7 @@ from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from course_lib.launch.launcher import run_cell, standalone_script
-from course_lib.launch.spec import LaunchError, RunSpec, describe
+from course_lib.launch.spec import LaunchError, RunSpec, describe_backend
 
 _RDZV_HELP = "torchrun's own flag, passed through (several nodes: see launch/README.md)"
 
@@ -96,7 +96,7 @@ class TorchrunMagics(Magics):
             # The backend as asked: "auto" in a saved script picks on the machine that runs it.
             backend = flags.get("backend", RunSpec.backend)
             Path(save).write_text(standalone_script(cell, backend=backend, init=spec.init, nproc=spec.nproc))
-        print(describe(spec.backend, spec.nproc, spec.init), end="")  # on a GPU node: what 'auto' picked for them
+        print(describe_backend(spec.backend, spec.nproc, spec.init), end="")  # on a GPU node: what 'auto' picked
         result = run_cell(spec, cell, {n: shell.user_ns[n] for n in spec.push})
         shell.user_ns.update(result.values)
         shell.user_ns["_torchrun"] = result

@@ -80,7 +80,7 @@ def backend_for(nproc: int, requested: str = "auto") -> str:
     return "gloo" if requested == "gloo" else resolve_backend("auto", nproc)
 
 
-def describe(backend: str, nproc: int, init: bool = True) -> str:
+def describe_backend(backend: str, nproc: int, init: bool = True) -> str:
     """One line saying what a run got, on a machine with GPUs ('' without: there gloo is the only choice).
 
     `init=False` (`--no-init`): no process group is made, so no backend either: the line says which GPUs the ranks

@@ -18,6 +18,7 @@ from course_lib.compare import grad_of
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 DTYPE_NAMES = {
+    torch.float64: "fp64",
     torch.float32: "fp32",
     torch.float16: "fp16",
     torch.bfloat16: "bf16",

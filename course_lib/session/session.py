@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from course_lib.launch.failures import RankFailedError, RankFailure, describe
+from course_lib.launch.failures import RankFailedError, RankFailure, describe_failures
 from course_lib.launch.processes import running
 from course_lib.launch.spec import LaunchError, RunSpec
 from course_lib.session import processes
@@ -167,8 +167,8 @@ class Session:
 
     def explain(self, error: BaseException, cell: str = "") -> BaseException:
         """One RankFailedError for a CompositeError from the ranks (other errors come back unchanged), worded as a
-        `%%torchrun` cell's failure (launch.failures.describe): the first rank's exception and the line of `cell`
-        it raised at, then the other ranks'."""
+        `%%torchrun` cell's failure (launch.failures.describe_failures): the first rank's exception and the line of
+        `cell` it raised at, then the other ranks'."""
         elist = getattr(error, "elist", None)  # a CompositeError; a RemoteError when one rank was targeted
         if elist is None and hasattr(error, "engine_info"):
             elist = [(error.ename, error.evalue, error.traceback, error.engine_info)]  # type: ignore[attr-defined]
@@ -188,7 +188,7 @@ class Session:
                 f"process-group timeout ({self.settings.timeout:g} s): the process group is now broken: {RESTART}",
                 failures,
             )
-        return RankFailedError(describe(failures, cell.splitlines()), failures)
+        return RankFailedError(describe_failures(failures, cell.splitlines()), failures)
 
     def status(self) -> str:
         import psutil
