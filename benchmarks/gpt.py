@@ -92,7 +92,7 @@ def main() -> None:
         summaries.append(summary)
     print(f"{args.steps} steps per layout, global batch 16 x 64 characters")
     print(gpt.speed_table(summaries))
-    print(gpt.compiled_against_eager(one_process["eager"], one_process["compiled"]), "(in separate runs)")
+    print(gpt.compiled_summary(one_process["eager"], one_process["compiled"]), "(in separate runs)")
     ratio = turns["compiled"] / turns["eager"]
     print(f"in turns, fastest step: eager {turns['eager'] * 1e3:.1f} ms, compiled {turns['compiled'] * 1e3:.1f} ms")
     report("compiled / eager step time, one process", ratio, "<= 0.85")

@@ -115,7 +115,7 @@ def expert_parallel_against_one_process(rank, world_size):
         with comms.Recorder() as rec:
             y, routing = moe(x)
             (y.pow(2).sum() + 0.1 * routing.aux_loss).backward()
-        sent = ep.sent_by_kind(rec)
+        sent = ep.all_to_all_bytes_by_kind(rec)
         for p in moe.router.parameters():
             dist.all_reduce(p.grad)
         splits = moe.last["send_splits"].tolist()
@@ -135,7 +135,7 @@ def expert_parallel_against_one_process(rank, world_size):
         balanced.router.gate.weight.copy_(torch.eye(n_experts, d))
     with comms.Recorder() as rec:
         balanced(ep.balanced_batch(48, n_experts, d))
-    result["balanced"] = ep.sent_by_kind(rec)
+    result["balanced"] = ep.all_to_all_bytes_by_kind(rec)
     return result
 
 

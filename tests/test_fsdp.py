@@ -92,10 +92,10 @@ def test_hsdp_prediction_accepts_the_formula_and_rejects_typical_mistakes(capsys
 
 
 def test_collectives_formula():
-    assert fsdp.collectives_per_step(3, 5) == {"reduce_scatter": 5, "all_gather": 10}
-    assert fsdp.collectives_per_step(0, 2) == {"all_reduce": 2}
-    assert fsdp.collectives_per_step(0, 2, clip=True) == {"all_reduce": 2}  # stage 0 holds the whole gradient
-    assert fsdp.collectives_per_step(2, 2, clip=True) == {"all_gather": 2, "all_reduce": 1, "reduce_scatter": 2}
+    assert fsdp.zero_collectives(3, 5) == {"reduce_scatter": 5, "all_gather": 10}
+    assert fsdp.zero_collectives(0, 2) == {"all_reduce": 2}
+    assert fsdp.zero_collectives(0, 2, clip=True) == {"all_reduce": 2}  # stage 0 holds the whole gradient
+    assert fsdp.zero_collectives(2, 2, clip=True) == {"all_gather": 2, "all_reduce": 1, "reduce_scatter": 2}
     with pytest.raises(ValueError):
         fsdp.ZeroModel(torch.nn.Linear(2, 2), stage=4)  # checked before any sharding (no process group)
 

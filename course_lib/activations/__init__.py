@@ -31,7 +31,6 @@ from course_lib.activations.lab import (
     ladder,
     layer_bytes,
     loss_of,
-    matmul_flops,
     measure_step,
     saved_tensors,
     stats_bytes,

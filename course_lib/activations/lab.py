@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 # - `LiveBytes`: a dispatch mode that records every tensor an op creates and, after each op, how many of their
 #   bytes are still alive: the bytes held at any moment and their peak, on the CPU as on a GPU, and whatever keeps
 #   a tensor alive (autograd's saved tensors, a checkpoint's inputs, selective checkpointing's cache).
-# - `matmul_flops`: the FLOPs of the matmuls a function runs, forward and backward (torch's FlopCounterMode).
+# - `counted_matmul_flops`: the FLOPs of the matmuls a function runs, forward and backward (torch's FlopCounterMode).
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -124,7 +124,7 @@ class LiveBytes(TorchDispatchMode):
         return self.marks[name]
 
 
-def matmul_flops(fn: Callable[[], Any]) -> int:
+def counted_matmul_flops(fn: Callable[[], Any]) -> int:
     """FLOPs of the matmuls (linear layers, bmm, attention where torch has a formula) that fn() runs."""
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -136,7 +136,7 @@ def matmul_flops(fn: Callable[[], Any]) -> int:
 # What the notebook measures on each rank: bytes saved per layer, and what recomputation saves and costs.
 #
 # Everything runs on `device` (the CPU with gloo, the rank's GPU with nccl). Bytes are counted from the tensors
-# (`compare.saved_activation_bytes`, `LiveBytes`) and FLOPs from the ops (`matmul_flops`),
+# (`compare.saved_activation_bytes`, `LiveBytes`) and FLOPs from the ops (`counted_matmul_flops`),
 # so both are the same under any load; time is measured too, and only compared as ratios within one run.
 
 
@@ -217,8 +217,8 @@ def measure_step(model: nn.Module, x: torch.Tensor) -> dict[str, Any]:
 def step_flops(model: nn.Module, x: torch.Tensor) -> dict[str, int]:
     """Matmul FLOPs of a forward of model(x), and of a whole step (forward, recomputation, backward)."""
     with attention_backend("flash"):
-        forward = matmul_flops(lambda: model(x))
-        step = matmul_flops(lambda: loss_of(model(x)).backward())
+        forward = counted_matmul_flops(lambda: model(x))
+        step = counted_matmul_flops(lambda: loss_of(model(x)).backward())
     model.zero_grad(set_to_none=True)
     return {"forward flops": forward, "step flops": step}
 

@@ -1,7 +1,13 @@
 """course_lib.expert_parallel (notebook 11): a mixture-of-experts layer with its experts over the ranks."""
 
 from course_lib.expert_parallel.checkers import check_capacity_mask, check_dispatch
-from course_lib.expert_parallel.dispatch import AllToAll, all_to_all, exchange_counts, sent_by_kind, torch_all_to_all
+from course_lib.expert_parallel.dispatch import (
+    AllToAll,
+    all_to_all,
+    all_to_all_bytes_by_kind,
+    exchange_counts,
+    torch_all_to_all,
+)
 from course_lib.expert_parallel.lab import (
     all_to_all_bytes_balanced,
     all_to_all_bytes_bound,

@@ -71,7 +71,7 @@ def torch_all_to_all(
     return wait_tensor(out)
 
 
-def sent_by_kind(rec: comms.Recorder) -> dict[str, int]:
+def all_to_all_bytes_by_kind(rec: comms.Recorder) -> dict[str, int]:
     """Bytes this rank sent to the other ranks, by kind, read from a recorder around ExpertParallelMoE forwards
     (and backwards): "counts", "dispatch", "combine", "combine backward", "dispatch backward", those that ran."""
     order = {"forward": ("dispatch", "combine"), "backward": ("combine backward", "dispatch backward")}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def draw_rendezvous(worlds: Sequence[int], steps: Sequence[tuple[int, int]]) -> None:
+def draw_rendezvous_rounds(worlds: Sequence[int], steps: Sequence[tuple[int, int]]) -> None:
     """One column per rendezvous round: which node's agent it admitted and the rank each worker got, the steps
     that world trained, and what closed the round (node 1 joining, node 1 leaving)."""
     import matplotlib.pyplot as plt

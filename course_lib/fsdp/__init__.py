@@ -14,7 +14,7 @@ from course_lib.fsdp.zero import (
     COMPILE_ORDERS,
     ShardedUnit,
     ZeroModel,
-    collectives_per_step,
     compile_blocks_then_shard,
     shard_then_compile,
+    zero_collectives,
 )

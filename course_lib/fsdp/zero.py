@@ -14,7 +14,7 @@ from course_lib.collectives import chunk_sizes, ring_all_gather, ring_all_reduce
 from course_lib.models import shard_layers_then_root
 
 
-def collectives_per_step(stage: int, units: int, clip: bool = False) -> dict[str, int]:
+def zero_collectives(stage: int, units: int, clip: bool = False) -> dict[str, int]:
     """The formula the counts are checked against: collective calls per training step."""
     calls = {
         0: {"all_reduce": units},

@@ -2,10 +2,10 @@
 
 from course_lib.gpt.checkers import check_embedding_group, check_rows_on_mesh
 from course_lib.gpt.lab import (
-    compiled_against_eager,
+    compiled_summary,
     draw_drift,
-    draw_plan,
-    draw_runs,
+    draw_layout_plan,
+    draw_layout_runs,
     drift_tolerance,
     evaluate,
     run_layout,

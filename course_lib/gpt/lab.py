@@ -159,7 +159,7 @@ def speed_table(summaries: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def compiled_against_eager(eager: dict[str, Any], compiled: dict[str, Any]) -> str:
+def compiled_summary(eager: dict[str, Any], compiled: dict[str, Any]) -> str:
     """One line: tokens/s and achieved / limit of an eager run and of its compiled twin, and the ratio of the latter.
     Each run is held against the limit measured during it: on a shared machine tokens/s alone do not compare."""
     e, c = achieved(eager), achieved(compiled)
@@ -169,7 +169,7 @@ def compiled_against_eager(eager: dict[str, Any], compiled: dict[str, Any]) -> s
     )
 
 
-def draw_runs(summaries: list[dict[str, Any]], config: GPTConfig, global_batch: int) -> None:
+def draw_layout_runs(summaries: list[dict[str, Any]], config: GPTConfig, global_batch: int) -> None:
     """Three panels: the loss curves (every layout on the one-process curve), achieved against the limit, and
     memory per rank and bytes per step, measured (bars) against the calculators (ticks)."""
     import matplotlib.pyplot as plt
@@ -206,7 +206,7 @@ def _draw_costs(ax: Axes, summaries: list[dict[str, Any]], config: GPTConfig, gl
     ax.legend(fontsize=7)
 
 
-def draw_plan(config: GPTConfig, nproc: int = 2, global_batch: int = 16) -> None:
+def draw_layout_plan(config: GPTConfig, nproc: int = 2, global_batch: int = 16) -> None:
     """The calculators for every layout of a model of `config`: memory per rank, bytes per rank and step,
     and the step's FLOPs per rank (how many FLOPs each byte sent has to hide behind)."""
     import matplotlib.pyplot as plt

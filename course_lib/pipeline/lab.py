@@ -28,7 +28,7 @@ def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(output, target)
 
 
-def stage_gradients(modules: Mapping[int, nn.Module]) -> dict[int, list[torch.Tensor]]:
+def gradients_by_stage(modules: Mapping[int, nn.Module]) -> dict[int, list[torch.Tensor]]:
     """{stage: copies of its module's parameter gradients, in parameter order}."""
     return {s: [grad_of(p).detach().clone() for p in module.parameters()] for s, module in modules.items()}
 
@@ -40,12 +40,12 @@ def reference_stage_gradients(
     model.zero_grad()
     loss = loss_fn(model(x), y)
     loss.backward()
-    return loss.item(), stage_gradients(dict(enumerate(split_into_stages(model, n_stages))))
+    return loss.item(), gradients_by_stage(dict(enumerate(split_into_stages(model, n_stages))))
 
 
 def max_gradient_error(modules: Mapping[int, nn.Module], expected: Mapping[int, Sequence[torch.Tensor]]) -> float:
     """Largest |difference| between the stage modules' gradients and `expected` ({stage: gradients})."""
-    got = stage_gradients(modules)
+    got = gradients_by_stage(modules)
     return max_difference([g for s in got for g in got[s]], [g for s in got for g in expected[s]])
 
 

@@ -7,7 +7,7 @@ from course_lib import viz
 # Kernel side (figures only): the global rank of every process of a multi-node job.
 
 
-def draw_rank_grid(nnodes: int, nproc_per_node: int) -> None:
+def draw_ranks_on_nodes(nnodes: int, nproc_per_node: int) -> None:
     """One row per node, one box per process: its global RANK = node * nproc_per_node + LOCAL_RANK."""
     import matplotlib.pyplot as plt
 

@@ -264,6 +264,7 @@ def main(folder: Path) -> None:
             f"--IPEngine.id={rank}",
             "--IPEngine.enable_nanny=False",  # the kernel signals engines by pid: no extra process
             f"--IPEngine.wait_for_url_file={START_TIMEOUT_S}",  # started with the controller, not after it
+            f"--IPEngine.timeout={START_TIMEOUT_S}",  # the hub answers registration slowly on a loaded machine
             "--log-level=WARN",
         ]
     )

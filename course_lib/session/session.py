@@ -109,7 +109,8 @@ class Session:
                 raise LaunchError(f"the session did not start: {why}\n{logs}")
             if self.client is None and self.folder.client_file.exists():
                 with contextlib.suppress(ValueError):  # the controller may be writing it still
-                    self.client = Client(str(self.folder.client_file))
+                    # Its hub may answer slowly on a loaded machine: wait for it as long as for the engines.
+                    self.client = Client(str(self.folder.client_file), timeout=max(1.0, deadline - time.monotonic()))
             time.sleep(0.05)
         self.view = self.client[self.ranks]
         self.view.block = True

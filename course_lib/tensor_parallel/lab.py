@@ -17,7 +17,7 @@ LAYERS = {
 }
 
 
-def draw_shards(tp_size: int, layer: str) -> None:
+def draw_weight_shards(tp_size: int, layer: str) -> None:
     """The weight of `layer`, each rank's slice in its colour: column-parallel splits the rows of W (the
     outputs), row-parallel its columns (the inputs)."""
     import matplotlib.pyplot as plt

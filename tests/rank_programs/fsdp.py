@@ -63,7 +63,7 @@ def equality(rank: int, world_size: int) -> dict:
             with comms.Recorder() as rec:
                 fsdp.train(model, opt, STEPS, world_size=world_size, rank=rank, clip=zero_clip if clip else None)
             calls = {k: v // STEPS for k, v in rec.counts().items()}
-            want_calls = fsdp.collectives_per_step(stage, 3, clip=clip is not None)
+            want_calls = fsdp.zero_collectives(stage, 3, clip=clip is not None)
             expect(calls == want_calls, f"{name} ZeRO-{stage} calls {calls}, expected {want_calls}")
             diff = compare.max_difference(model.full_state(), reference)
             expect(diff < 1e-6, f"{name} ZeRO-{stage} differs from one process by {diff}")

@@ -24,7 +24,7 @@ def equality(rank: int, world_size: int) -> dict:
                     ref_loss, expected = pp.reference_stage_gradients(pp.course_model(), p * v, x, y)
                     record, ours = pp.pipeline_step(schedule, m, x, y, stage_ranks=range(p))
                     torch_losses, theirs, _ = pp.torch_schedule_step(schedule, m, x, y, group=group)
-                    versus_torch = pp.max_gradient_error(ours, pp.stage_gradients(theirs))
+                    versus_torch = pp.max_gradient_error(ours, pp.gradients_by_stage(theirs))
                     report.append(
                         dict(
                             p=p,
