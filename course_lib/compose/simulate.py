@@ -24,16 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from course_lib import comms
-from course_lib.compose.parallelize import (
-    DIMS,
-    Dims,
-    apply_fsdp,
-    apply_tp,
-    loss_fn,
-    make_batch,
-    make_model,
-    stage_blocks,
-)
+from course_lib.compose.parallelize import Dims, apply_fsdp, apply_tp, loss_fn, make_batch, make_model, stage_blocks
 from course_lib.launch.runtime import fake_rank
 
 
@@ -120,7 +111,8 @@ def step_collectives(dims: Dims, n_mb: int, global_batch: int, n_blocks: int = 4
 
 
 def _calls_by_dimension(recorder: comms.Recorder, mesh: DeviceMesh) -> dict[str, int]:
-    groups = {tuple(dist.get_process_group_ranks(mesh[name].get_group())): name for name in DIMS}
+    names = mesh.mesh_dim_names or ()  # the course's meshes are always named (Dims.mesh)
+    groups = {tuple(dist.get_process_group_ranks(mesh[name].get_group())): name for name in names}
     calls: dict[str, int] = {}
     for (op, ranks), (n, _) in recorder.per_group().items():
         calls[f"{groups[ranks]} {op}"] = calls.get(f"{groups[ranks]} {op}", 0) + n
