@@ -1,9 +1,6 @@
-"""course_lib: the library behind the distributed-training notebooks.
+"""course_lib: the library behind the distributed-training notebooks (`%load_ext course_lib`: `%%torchrun`, `%dist`).
 
-`%load_ext course_lib` registers the `%%torchrun` cell magic and the `%dist` session magic (with
-`%%px` placeholders that say to start a session). Importing the package stays cheap (no torch, no
-IPython): every rank imports it at start-up.
-"""
+Importing the package stays cheap (no torch, no IPython): every rank imports it at start-up."""
 
 from typing import Any
 

@@ -1,17 +1,6 @@
-"""Every collective and point-to-point call a rank makes, recorded; and what each costs on the wire.
+"""Every communication a rank makes, seen by a TorchDispatchMode on the c10d ops, and what each costs on the wire.
 
-``with comms.Recorder() as rec:`` records one :class:`Call` per communication on this rank: torch's
-(DDP's buckets, FSDP2's gathers, DTensor's all-reduces, the pipeline's sends) and the course's own
-(``dist.all_reduce`` inside a custom autograd function, the rings' sends). All of them pass through
-the dispatcher as ``c10d`` or ``_c10d_functional`` ops, where a ``TorchDispatchMode`` sees each with its
-tensors and process group. Each ``with`` starts empty: there is no counter to reset.
-
-A from-scratch collective is made of sends and receives. It names itself with
-``with comms.collective("all_gather", full_tensor, group):``, so a recorder counts one all-gather,
-and marks the sends inside it as part of it (:attr:`Call.inside`).
-
-The cost table says how many bytes one rank sends per byte of a call's payload, in a group of n.
-"""
+A from-scratch collective names itself (`collective`), so a recorder counts one op and marks its sends as inside it."""
 
 from __future__ import annotations
 
@@ -55,12 +44,7 @@ def sent_per_rank(op: str, payload: float, n: int, model: CostModel = RING) -> f
 
 @dataclass(frozen=True)
 class Call:
-    """One communication on this rank.
-
-    nbytes, the payload: the full tensor of an all-reduce, all-gather (its output), reduce-scatter (its input),
-    broadcast and reduce; the bytes an all-to-all sends to the other ranks; the message of a send or receive;
-    this rank's tensor of a gather or scatter.
-    """
+    """One communication on this rank; nbytes is its payload as _OPS measures it (a collective's full tensor)."""
 
     op: str  # all_reduce, all_gather, reduce_scatter, broadcast, reduce, all_to_all, send, recv, barrier, ...
     group: tuple[int, ...]  # the global ranks of the process group
@@ -223,8 +207,7 @@ def per_group(calls: list[Call]) -> dict[tuple[str, tuple[int, ...]], tuple[int,
 
 
 def by_dimension(calls: list[Call], mesh: Any, model: CostModel = RING) -> dict[str, float]:
-    """Bytes sent per dimension of a DeviceMesh (None: no dimension): each call is charged to the dimension whose
-    group it ran on."""
+    """Bytes this rank sent per DeviceMesh dimension, each call charged to the dimension whose group it ran on."""
     names = mesh.mesh_dim_names if mesh is not None else ()
     groups = {name: tuple(dist.get_process_group_ranks(mesh[name].get_group())) for name in names}
     sent = dict.fromkeys(names, 0.0)
@@ -238,8 +221,7 @@ def by_dimension(calls: list[Call], mesh: Any, model: CostModel = RING) -> dict[
 
 @contextlib.contextmanager
 def collective(op: str, tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> Iterator[None]:
-    """Announce a from-scratch collective: recorders count one `op` of `tensor` (its payload) and mark the sends
-    made inside as part of it."""
+    """Announce a from-scratch collective: recorders count one `op` of `tensor` and mark the sends inside as its."""
     for rec in _recording:
         rec.record(op, tensor, group, _nbytes(tensor))
         rec._inside.append(op)

@@ -18,9 +18,7 @@ def regression(n: int = 256, d_in: int = 32, d_out: int = 8, seed: int = 0, nois
 def batch_for_step(
     data: TensorDataset, step: int, global_batch: int, rank: int = 0, world_size: int = 1, shuffle_seed: int | None = 0
 ) -> tuple[torch.Tensor, ...]:
-    """Rank `rank`'s rows of global batch number `step`: its contiguous global_batch // world_size of them (where
-    world_size does not divide the batch, the last rows go unused).
-    A pure function of the step: any N sees the same global batches, and a resumed run has no sampler state to save."""
+    """This rank's contiguous rows of global batch `step`: pure in `step`, so any N sees the same batches."""
     n = len(data)
     if not 0 < global_batch <= n:
         raise ValueError(f"a global batch of {global_batch} samples must be positive and fit in the {n} samples")

@@ -56,8 +56,7 @@ def calculator_table(
 
 
 def allocated_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the storage behind each local tensor: more than compare.bytes_per_rank counts when a
-    tensor is a view into a padded buffer (fully_shard pads every shard to ceil(rows / N) rows)."""
+    """Bytes of storage behind the local tensors: more than bytes_per_rank where fully_shard pads to ceil(rows / N)."""
     return sum(local_tensor(t).untyped_storage().nbytes() for t in tensors)
 
 
@@ -94,9 +93,7 @@ def held_bytes(
 
 
 def fully_shard_numel(shape: tuple[int, ...], world_size: int, rank: int, padded: bool = False) -> int:
-    """Elements of a parameter of `shape` that fully_shard gives `rank`: Shard(0) cuts rows like
-    torch.chunk, ceil(rows / N) each, so the last ranks get fewer (or none); the padded buffer
-    always has ceil(rows / N) rows."""
+    """Elements of `shape` that fully_shard gives `rank`: ceil(rows / N) rows each (torch.chunk), fewer for the last."""
     rows, per_row = shape[0], math.prod(shape[1:])
     chunk = -(-rows // world_size)
     mine = chunk if padded else max(0, min(chunk, rows - rank * chunk))

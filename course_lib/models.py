@@ -29,8 +29,7 @@ BLOCK = BlockShape(d_model=48, n_heads=12, d_ff=192)
 
 @contextlib.contextmanager
 def seeded(seed: int) -> Iterator[None]:
-    """Weights drawn in the block come from `seed` (so every rank builds the same ones); the global generator is
-    left as it was, so data drawn after building a model does not depend on which model was built."""
+    """Draw the block's weights from `seed` (same on every rank), leaving the global generator the data uses alone."""
     with torch.random.fork_rng(devices=[]):  # the CPU generator: the course's models initialise on the CPU
         torch.default_generator.manual_seed(seed)
         yield
@@ -55,9 +54,7 @@ def param_bytes(model: nn.Module) -> int:
 
 
 def world_mesh() -> DeviceMesh:
-    """A 1-D DeviceMesh of every rank on this rank's device (launch.runtime.rank_device: cuda under NCCL, else
-    the CPU).
-    Not FSDP2's default mesh: torch takes the machine's accelerator, so a gloo rank seeing a GPU would become CUDA."""
+    """A 1-D mesh of every rank on rank_device(): FSDP2's default mesh would put a gloo rank that sees a GPU on CUDA."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -89,8 +86,7 @@ def shard_layers_then_root(
 
 
 class Attention(nn.Module):
-    """Causal multi-head self-attention with separate q, k, v, o projections.
-    Heads are read from q's output width, so the same forward runs when q/k/v are column-sharded."""
+    """Causal multi-head self-attention; heads come from q's output width, so the same forward runs column-sharded."""
 
     def __init__(self, d_model: int, n_heads: int):
         super().__init__()

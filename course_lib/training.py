@@ -49,9 +49,7 @@ def train(
     around_step: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext,
     after_step: Callable[[int, float], object] | None = None,
 ) -> list[float]:
-    """Steps first_step .. first_step + steps - 1, each on this rank's rows of that global batch; returns the
-    rank's losses. `around_step()` is entered around each step (a timer), `after_step(step, loss)` follows it (a
-    log line, a checkpoint)."""
+    """Run global steps from first_step on this rank's rows, with around/after hooks; returns the rank's losses."""
     device = device if device is not None else next(model.parameters()).device
     losses = []
     for i in range(first_step, first_step + steps):

@@ -64,8 +64,7 @@ BUDGET_MIB, EVAL_BATCHES = 16, 8
 
 
 def check_evaluate(fn: Callable[[nn.Module, list[torch.Tensor]], float]) -> None:
-    """fn(model, batches) -> the mean over the batches of mean(model(x)²), as a float, under a 16 MiB limit.
-    One batch's forward with its saved activations fits and 8 do not, so it must save nothing for a backward."""
+    """fn(model, batches) -> mean of mean(model(x)²) in 16 MiB: 1 batch's saved activations fit, 8 don't; save none."""
     unmap_freed_memory()
     device = rank_device()
     scale = allocation_scale(device)

@@ -55,8 +55,7 @@ def korthikanti_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence_paral
 
 
 def attention_width(h: int, a: int, head_multiple: int = 1) -> int:
-    """Values per token in q, k, v and the output as the fused kernel stores them: CUDA's flash attention pads each
-    head to a multiple of 8 values (head_multiple=8), the CPU's does not (1)."""
+    """Per-token q, k, v, output widths as fused attention stores them: CUDA's flash pads heads to head_multiple=8."""
     head = h // a
     return a * -(-head // head_multiple) * head_multiple
 

@@ -1,6 +1,5 @@
-"""Notebook 05's lab: what autograd saved and the bytes alive (inspection), what the ranks measure, the
-estimate per GPU and the ladder of fixes, and the kernel-side figures and explorer.
-"""
+"""Notebook 05's lab: what autograd saved and the bytes alive, what the ranks measure, the estimate per GPU and the
+ladder of fixes, and the kernel-side figures and explorer."""
 
 from __future__ import annotations
 
@@ -44,8 +43,7 @@ if TYPE_CHECKING:
 
 
 def _storage_key(t: torch.Tensor) -> int:
-    """The storage's identity (its StorageImpl), shared by every view; unlike data_ptr, not reused while we hold
-    a weak reference to it, and distinct for two storages resized to 0 bytes."""
+    """Storage identity shared by views; unlike data_ptr, not reused while weakly held nor shared by 0-byte storages."""
     return local_tensor(t).untyped_storage()._cdata
 
 
@@ -88,8 +86,7 @@ def _current_nbytes(ref: StorageWeakRef, recorded: int) -> int:
 
 
 class LiveBytes(TorchDispatchMode):
-    """Within `with LiveBytes() as live:`, the bytes of the tensors created since it began that are still alive.
-    `now(communication=False)` leaves out collectives' output buffers: when gloo's thread frees them is scheduling."""
+    """Bytes still alive of the tensors created within `with LiveBytes() as live:`, as seen at torch dispatch."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -112,8 +109,7 @@ class LiveBytes(TorchDispatchMode):
         return out
 
     def now(self, communication: bool = True) -> int:
-        """Bytes of the recorded tensors still alive (forgetting those that died), collectives' buffers included
-        unless `communication=False`."""
+        """Live recorded bytes; communication=False drops collectives' buffers (freed whenever gloo's thread runs)."""
         self.tensors = {k: v for k, v in self.tensors.items() if not v[0].expired()}
         self.communication &= self.tensors.keys()  # a dead storage's key may be reused by a new one
         kept = self.tensors if communication else {k: v for k, v in self.tensors.items() if k not in self.communication}
@@ -201,9 +197,7 @@ def loss_of(output: torch.Tensor) -> torch.Tensor:
 
 
 def measure_step(model: nn.Module, x: torch.Tensor) -> dict[str, Any]:
-    """One forward and backward of model(x): the bytes held after the forward for backward and at the peak
-    (LiveBytes), and the gradients (whole: a collective under FSDP). The model's gradients are cleared before
-    and after."""
+    """Bytes held for backward, peak and whole gradients of one step (gradients: a collective under FSDP)."""
     model.zero_grad(set_to_none=True)
     with attention_backend("flash"), LiveBytes() as live:
         out = model(x)
@@ -248,8 +242,7 @@ def cuda_memory(fn: Callable[[], Any], device: torch.device) -> dict[str, int]:
 
 
 def cuda_memory_report(step: Callable[[], Any], device: torch.device, snapshot_path: str) -> dict[str, Any]:
-    """On a GPU, the allocator's record of step(): peak, memory_summary, and a snapshot for pytorch.org/memory_viz.
-    Expandable segments grow in place instead of leaving fragments a later allocation cannot use."""
+    """Allocator record of step() (peak, summary, memory_viz snapshot); expandable segments avoid fragmentation."""
     torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     torch.cuda.memory._record_memory_history(max_entries=100_000)
     try:
@@ -397,8 +390,7 @@ def draw_recompute(results: dict[str, dict[str, float]], axes: Any = None) -> An
 
 
 def explorer_curves(seq: int, batch: int, layers: int, model: str, points: int = 48) -> dict[str, Any]:
-    """GB of activations of `layers` blocks of `model` (bf16, flash attention) for s up to 2·seq, per mode; and
-    of the paper's layer without recomputation ("paper")."""
+    """GB of activations of `layers` blocks (bf16, flash) per mode for s up to 2·seq, and of the paper's layer."""
     hidden, heads = MODELS[model]
     grid = [max(1, round(2 * seq * (i + 1) / points)) for i in range(points)]
     curves: dict[str, list[float]] = {mode: [] for mode in ("none", "selective", "full", "paper")}
@@ -471,8 +463,7 @@ def draw_korthikanti_terms(s: int, b: int, h: int, a: int) -> None:
 
 
 def draw_tensor_parallel_bytes(s: int, b: int, h: int, a: int, ts: tuple[int, ...] = (1, 2, 4, 8)) -> None:
-    """Bytes per rank per layer (in units of s·b·h) against the tensor-parallel size t: the paper's layer and the
-    course block (fp32 LayerNorm statistics, as on CUDA), each without and with sequence parallelism."""
+    """Bytes per rank per layer (s·b·h) against t, ± sequence parallel: paper's layer, course block (fp32 LN stats)."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 3.2))

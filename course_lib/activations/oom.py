@@ -57,8 +57,7 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 
 def short_message(error: BaseException) -> str:
-    """The first line of an out-of-memory error without what varies: the source location, the byte count and,
-    on CUDA, the device's capacity and usage ("Tried to allocate 24.00 MiB. GPU 0 has a total capacity ...")."""
+    """An OOM error's first line without what varies (source location, byte count, CUDA capacity), so runs compare."""
     first = str(error).strip().splitlines()[0]
     first = re.sub(r"\[enforce fail at [^\]]*\]\s*(err == 0\.\s*)?", "", first)
     first = re.sub(r":? ?you tried to allocate \d+ bytes.*", "", first)  # the CPU allocator
@@ -67,23 +66,19 @@ def short_message(error: BaseException) -> str:
 
 
 def oom_message(device: torch.device | str) -> str:
-    """The short message (:func:`short_message`, what :func:`attempt` reports) of running out of memory under
-    :func:`memory_limit` on `device`'s type."""
+    """The short_message of an OOM under memory_limit on `device`'s type, to compare with attempt()'s error."""
     if torch.device(device).type == "cuda":
         return "OutOfMemoryError: CUDA out of memory."
     return "RuntimeError: DefaultCPUAllocator: can't allocate memory"
 
 
 def allocation_scale(device: torch.device | str) -> int:
-    """How many times larger tensors and limits are on `device` for a limit to mean what it means on the CPU: 16
-    on CUDA, whose caching allocator reserves memory in segments of 2 and 20 MiB (a few MiB of tensors take a
-    whole segment), 1 elsewhere."""
+    """Scale for a limit to mean what it does on CPU: 16 on CUDA, whose allocator reserves 2 and 20 MiB segments."""
     return 16 if torch.device(device).type == "cuda" else 1
 
 
 def attempt(step: Callable[[], Any]) -> dict[str, Any]:
-    """Run step(): {"ok": True, "value": what it returned}, or after an out-of-memory error (only those are
-    caught) {"ok": False, "error": its short message}."""
+    """{"ok": True, "value": step()}, or {"ok": False, "error": its short message} if it ran out of memory."""
     try:
         value = step()
     except Exception as error:  # only out-of-memory is expected here: anything else propagates
@@ -110,8 +105,7 @@ def train_step(model: nn.Module, x: torch.Tensor, micro_batches: int = 1) -> flo
 
 
 def unmap_freed_memory(threshold: int = 64 * 1024) -> None:
-    """Make glibc's malloc map every allocation from `threshold` bytes up on its own, and unmap it when freed.
-    glibc otherwise raises that threshold and keeps freed memory, so a limit's meaning would depend on history."""
+    """Make glibc mmap allocations from `threshold` and unmap them when freed, so a limit doesn't depend on history."""
     import ctypes
 
     libc = ctypes.CDLL("libc.so.6")

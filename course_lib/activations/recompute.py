@@ -57,8 +57,7 @@ def save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPoli
 
 
 class Checkpointed(nn.Module):
-    """`block` run under activation checkpointing: "full", "selective" (policy, default save_matmuls) or
-    "from scratch" (checkpoint_from_scratch). fully_shard can wrap it like the block itself."""
+    """`block` under activation checkpointing ("full", "selective", "from scratch"); fully_shard wraps it as is."""
 
     def __init__(self, block: nn.Module, mode: str = "full", policy: Callable[..., CheckpointPolicy] = save_matmuls):
         super().__init__()

@@ -164,8 +164,7 @@ def files_of(directory: str | os.PathLike) -> list[tuple[str, int]]:
 
 
 def latest_complete(root: str | os.PathLike) -> tuple[Path | None, list[tuple[str, str]]]:
-    """The newest committed checkpoint under `root` that passes :func:`verify`, and what was skipped (why).
-    Newest by step number (string order puts step_9 after step_10); a corrupt one is skipped, so the job falls back."""
+    """Newest verified checkpoint by step number (as strings step_9 > step_10), and what was skipped and why."""
     root = Path(root)
     if not root.is_dir():
         return None, []

@@ -119,8 +119,7 @@ def _verify_cases(base: Path, seed: int, world_size: int) -> list[tuple[str, Pat
 
 
 def check_verify_together(verify_together: Callable[[str], Any]) -> None:
-    """Exercise checker: every rank calls verify_together(directory) on the same checkpoint, for secret checkpoints
-    (complete, or with one damaged file drawn at every call) of more shard files than there are ranks."""
+    """Checker: all ranks verify secret checkpoints (more shard files than ranks), complete or with one file damaged."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     secret: list[Any] = [random.Random().randrange(2**63) if rank == 0 else None]
     dist.broadcast_object_list(secret)
@@ -187,8 +186,7 @@ def _judge_verify(
 
 
 def _resume_cases(base: Path, draw: random.Random) -> list[tuple[str, Path, int | None]]:
-    """(what, directory, the step to resume from): checkpoints in our format, complete or damaged, whose newest
-    by name is never the answer."""
+    """(what, directory, step to resume from) cases where the newest checkpoint by name is never the answer."""
     steps = sorted(draw.sample(range(5, 10), 2)) + sorted(draw.sample(range(10, 50), 2))  # 5-9 sort after 10-49
     cases: list[tuple[str, Path, int | None]] = []
     root = base / "by_number"
@@ -213,9 +211,7 @@ def _resume_cases(base: Path, draw: random.Random) -> list[tuple[str, Path, int 
 
 
 def check_newest_complete_step(newest_complete_step: Callable[[str], Any]) -> None:
-    """Exercise checker: newest_complete_step(root) must return the step number of the newest complete checkpoint
-    under root (None if there is none), for secret directories where sorting by name, taking a .tmp or a truncated
-    checkpoint each gives another answer. checkpoint.latest_complete, the library's answer, is refused."""
+    """Checker on secret roots where name order, a .tmp or a truncated checkpoint mislead; latest_complete refused."""
     seed = random.Random().randrange(2**63)
     with tempfile.TemporaryDirectory() as base:
         for what, root, expected in _resume_cases(Path(base), random.Random(seed)):

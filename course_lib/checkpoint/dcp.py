@@ -69,8 +69,7 @@ def dcp_save(root: str | os.PathLike, step: int, app: AppState) -> Path:
 
 
 def dcp_load(directory: str | os.PathLike, app: AppState) -> None:
-    """Verify, then load into `app` in place (any world size: DCP reads the overlapping pieces).
-    OPTIONAL values the checkpoint lacks are left out of the template: DCP would refuse them."""
+    """Verify, then load in place at any world size; OPTIONAL values the checkpoint lacks are dropped (DCP refuses)."""
     import torch.distributed.checkpoint as dcp
 
     verify(directory)

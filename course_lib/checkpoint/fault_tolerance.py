@@ -26,8 +26,7 @@ LIGHTHOUSE = {"min_replicas": 1, "join_timeout_ms": 10_000, "quorum_tick_ms": 20
 
 
 def counting_gloo(timeout: timedelta) -> Any:
-    """torchft's ProcessGroupGloo that records the payload of every all-reduce in `.allreduced` (bytes per call).
-    Not comms.Recorder: torchft builds its groups outside c10d's registry, so the recorder cannot name their ranks."""
+    """torchft's gloo recording all-reduce bytes; not comms.Recorder: torchft's groups bypass c10d's registry."""
     from torchft import ProcessGroupGloo
 
     class CountingGloo(ProcessGroupGloo):
@@ -48,8 +47,7 @@ def _log(root: Path, replica: int, entry: dict) -> None:
 
 
 def wait_at_lighthouse(lighthouse: str, what: str, ready: Callable[[int, int], bool], limit_s: float) -> None:
-    """Poll the lighthouse's status page until ``ready(asking, heartbeating)``: how many live replicas are asking
-    for the next quorum now, and how many send heartbeats."""
+    """Poll the lighthouse's status page until ready(replicas asking for the next quorum, replicas heartbeating)."""
     import urllib.request
 
     deadline = time.monotonic() + limit_s
@@ -68,8 +66,7 @@ def wait_at_lighthouse(lighthouse: str, what: str, ready: Callable[[int, int], b
 def _manager(
     lighthouse: str, replica: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options: Any
 ) -> tuple[Any, Any, Any]:
-    """A torchft Manager for a replica group of one process, its counting process group, and the group's own
-    TCPStore on loopback (keep it referenced: the manager connects to it)."""
+    """A one-process replica's torchft Manager, counting group and loopback TCPStore (keep it: the manager uses it)."""
     import torch.distributed as dist
     from torchft import Manager
 
@@ -181,8 +178,7 @@ def reference_losses(total_steps: int) -> list[float]:
 
 
 def step_losses(events: list[list[dict]]) -> dict[int, float]:
-    """The global batch's loss at each committed step: the mean of the slice losses of the replicas that took part
-    (their slices are equal: GLOBAL_BATCH / participants samples each)."""
+    """Global-batch loss per committed step: the mean over the replicas that took part, whose slices are equal."""
     per_step: dict[int, list[float]] = {}
     for log in events:
         for e in log:

@@ -1,6 +1,5 @@
 """Notebook 06's lab, kernel side: the elastic run (two torchrun agents on one rendezvous), the torchft replica
-runs, and the figures.
-"""
+runs, and the figures."""
 
 from __future__ import annotations
 
@@ -210,8 +209,7 @@ def _finish(nodes: list[Node], deadline: float) -> None:
 
 
 def _add_notes(error: BaseException, nodes: list[Node], ended: str) -> None:
-    """What each agent and its ranks said last, before their run folders go; then end every node, naming any
-    process still alive (none)."""
+    """Attach each agent's and rank's last output before their run folders are deleted, then end every node."""
     for node in nodes:
         error.add_note(f"--- {node.name}'s agent, last lines:\n" + "\n".join(node.lines[-20:]))
         for log in sorted(node.run.logs.glob("*/attempt_*/*/stderr.log")):
@@ -315,8 +313,7 @@ def run_torchft(
     rejoin_at: int = 10,
     timeout_s: float = 120.0,
 ) -> TorchftRun:
-    """Two replicas train; replica 1 is killed (SIGKILL, by recorded pid) before step `kill_at`; replica 0 trains on
-    alone; replica 1 starts again, heals from replica 0 at step `rejoin_at`, and both train to `total_steps`."""
+    """Kill replica 1 before `kill_at`, restart it to heal from replica 0 at `rejoin_at`, then both to `total_steps`."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
@@ -447,8 +444,7 @@ def plot_elastic(segments: list[Segment], references: dict[int, list[float]]) ->
 
 
 def draw_reads(saved_world: int, loading_world: int, rows: int) -> None:
-    """Left: the rows of one tensor, the saved files (top) and what each loading rank reads from which (bottom).
-    Right: rows each loading rank reads from each saved shard."""
+    """Which rows each loading rank reads from which saved shard file: as a row layout (left) and as counts (right)."""
     import matplotlib.pyplot as plt
     import torch
 

@@ -55,9 +55,7 @@ def read_plan(n_rows: int, saved_world: int, loading_world: int) -> list[list[tu
 
 
 def bytes_to_read(directory: str | os.PathLike, loading_world: int) -> list[dict[str, int]]:
-    """What each of `loading_world` ranks must read of the checkpoint in `directory`, from its metadata alone: the
-    rows it will hold of each sharded tensor (`rows`), every replicated tensor whole (`replicated`), and the two
-    files every rank reads (`header`: metadata.json and objects.pt). load_sharded counts what it does read."""
+    """Bytes each loading rank must read (rows, replicated, header), from metadata alone: load_sharded's must match."""
     directory = Path(directory)
     tensors = json.loads((directory / METADATA).read_text())["tensors"].values()
     header = (directory / METADATA).stat().st_size + (directory / OBJECTS).stat().st_size

@@ -1,10 +1,5 @@
-"""The training the examples share, the fault-tolerant and the elastic loops, and the stall a save causes.
-
-One FSDP2 MLP and its optimizer, trained on batches that are a pure function of the step
-(:func:`course_lib.data.batch_for_step`); :func:`train_resumable` runs under ``torchrun --max-restarts``;
-:func:`time_saves` measures how long each kind of save blocks training; :func:`full_state`, :func:`local_state`
-and :func:`differing` say whether two runs hold the same bits.
-"""
+"""The training the examples share, the fault-tolerant and elastic loops, and the stall a save causes.
+Batches are a pure function of the step (data.batch_for_step), so resumed and restarted runs compare bit for bit."""
 
 from __future__ import annotations
 
@@ -60,10 +55,7 @@ def _append(log: str | os.PathLike, entry: dict[str, Any]) -> None:
 
 
 def _load_newest(root: str | os.PathLike, app: AppState) -> None:
-    """Load into `app` the newest complete checkpoint rank 0 finds under `root`; the others take rank 0's answer.
-
-    Kept out of train_resumable, which notebook 06 shows: it is the answer to notebook 07's exercise 3.
-    """
+    """All ranks load rank 0's newest complete checkpoint; separate because it answers notebook 07's exercise 3."""
     found = [latest_complete(root)[0] if _rank_world()[0] == 0 else None]
     if dist.is_initialized():
         dist.broadcast_object_list(found)
@@ -124,14 +116,7 @@ def local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tor
 def time_saves(
     root: str | os.PathLike, mode: str, steps: int = 8, every: int = 2, min_step_s: float = 0.0, **mlp_kwargs: Any
 ) -> dict[str, list[float]]:
-    """Train `steps` steps of an FSDP2 MLP, saving after every `every`-th with mode "none", "sync" or "async".
-
-    Returns this rank's seconds per step ("step", a saving step including its save) and the seconds the
-    training thread was blocked in each save call ("blocked"): the stall. An async save waits for the
-    previous one first, and that wait counts as stall too. `min_step_s` pads each step's compute to that
-    many seconds (a sleep after it), as if the model were bigger: on a GPU this one's step takes about a
-    millisecond, which leaves a background write nothing to overlap with.
-    """
+    """Step and stall seconds (an async save's wait for the last counts); min_step_s pads steps so writes overlap."""
     rank, world_size = _rank_world()
     root = Path(root) / mode
     model = sharded_mlp(**mlp_kwargs)
@@ -187,8 +172,7 @@ EVENTS = "events.jsonl"  # rank 0's log: one JSON object per line (start, step, 
 
 
 def join_group(backend: str, timeout_s: float) -> None:
-    """init_process_group from torchrun's environment (env://): a fresh store per rendezvous round.
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: nothing of the previous round's group (another world size) is left."""
+    """init_process_group via env://; needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 so each round gets a fresh store."""
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)

@@ -1,9 +1,5 @@
-"""Notebook 01's exercise checkers: a ring reduce-scatter and a ring all-gather from send/recv (torch's collectives
-switched off while they run; each rank's messages held to the ring: only to the right neighbour, only from the
-left one, (N-1)/N of the tensor sent), and the deadlocking token pass to repair by ordering blocking send and recv.
-
-The solutions are in notebooks/solutions/01_collectives.py.
-"""
+"""Notebook 01's exercise checkers: ring reduce-scatter and all-gather from send/recv, and a deadlock-free token pass.
+torch's collectives are off and messages held to a ring's; solutions: notebooks/solutions/01_collectives.py."""
 
 from __future__ import annotations
 
@@ -45,8 +41,7 @@ _NOT_NAIVE = (
 
 
 def _off_the_ring(what: str, messages: comms.Recorder, sizes: list[int], element_size: int) -> str | None:
-    """Why this rank's messages are not a ring's (None if they are): a ring rank sends only to its right neighbour,
-    receives only from its left one, and sends N-1 chunks, (N-1)/N of the tensor."""
+    """Why this rank's messages are not a ring's, or None: to the right only, from the left only, N-1 chunks sent."""
     rank, n = dist.get_rank(), dist.get_world_size()
     right, left = (rank + 1) % n, (rank - 1) % n
     peers = [(c.op, c.peer) for c in messages.calls if c.op in ("send", "recv") and c.peer is not None]
@@ -72,8 +67,7 @@ def _off_the_ring(what: str, messages: comms.Recorder, sizes: list[int], element
 
 
 def _ring_only(fn: Callable[..., Any], args: tuple, what: str, sizes: list[int], element_size: int) -> Any:
-    """fn(*args) with torch's collectives and the course's ring refused, its messages held to a ring's on every
-    rank (the first offending rank's reason, raised on all of them, so the ranks stay in step)."""
+    """fn(*args), collectives refused, messages held to a ring; the first failure is raised on all ranks (in step)."""
     side = side_group()
     course = {f.__qualname__: f for f in (*_COURSE_RING, ring.naive_all_reduce)}
     messages = comms.Recorder()
@@ -96,8 +90,7 @@ def _check_sizes(n: int) -> list[int]:
 
 
 def _secret(numel: int) -> torch.Tensor:
-    """Whole numbers only this rank knows, new at every call (the sum is exact in any order, so any correct
-    algorithm matches exactly): the answer cannot be recomputed without the other ranks' data."""
+    """Fresh whole numbers private to this rank: sums are exact in any order and need every rank's data to recompute."""
     return secret_values((numel,)).to(rank_device())  # where a model's tensors are: the GPU under NCCL
 
 
@@ -136,8 +129,7 @@ def check_all_gather(fn: Callable[[torch.Tensor, list[int]], torch.Tensor]) -> N
 
 
 def waiting_forever(calls: list[list[tuple[str, int | None]]]) -> list[int]:
-    """Replay each rank's blocking sends and recvs as if every send waited for its matching recv (as NCCL
-    and large messages do): the ranks left waiting, [] if the order completes."""
+    """Ranks left waiting if every blocking send waits for its recv (as NCCL and large messages do); [] if none."""
     done = [0] * len(calls)
 
     def next_call(rank: int) -> tuple[str, int | None] | None:
@@ -163,9 +155,7 @@ def _describe(calls: list[tuple[str, int | None]]) -> str:
 
 
 def check_pass_right(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """fn(token) on every rank must return the left neighbour's token, using blocking send/recv only, in an
-    order that cannot deadlock: it must end in time here, and also when a send waits for its receiver.
-    The token is a CPU tensor, so gloo carries it: a blocking recv waits on the host, where record_calls bounds it."""
+    """Checker: blocking send/recv in a deadlock-free order; a CPU token, so gloo's host-side wait can be bounded."""
     rank, n = dist.get_rank(), dist.get_world_size()
     side = side_group()
     token = secret_values((4,))

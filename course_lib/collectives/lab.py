@@ -1,6 +1,5 @@
 """Notebook 01's lab: a collective on the session's live ranks, the ring simulated step by step and its
-pictures, and the benchmark of torch's collectives against the from-scratch ring.
-"""
+pictures, and the benchmark of torch's collectives against the from-scratch ring."""
 
 from __future__ import annotations
 
@@ -46,15 +45,13 @@ EXPLORER_COLLECTIVES = [
 
 
 def example_data(rank: int, world_size: int, per_rank: int) -> torch.Tensor:
-    """Rank r's vector of N × per_rank whole numbers, 10r + i (100r + i past 10 elements): every
-    value says which rank it came from and where it sat."""
+    """Rank r's N × per_rank values 10r + i (100r + i past 10 elements): each value shows its rank and position."""
     numel = world_size * per_rank
     return torch.arange(numel, dtype=torch.float32) + (10 if numel <= 10 else 100) * rank
 
 
 def run_collective(name: str, per_rank: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Run the collective `name` on every rank's example data; returns this rank's (before, after) on the CPU.
-    None where the collective reads or defines nothing on this rank."""
+    """This rank's (before, after) of `name` on the example data, on the CPU; None where it reads or defines nothing."""
     if name not in EXPLORER_COLLECTIVES:
         raise ValueError(f"unknown collective {name!r}: choose one of {EXPLORER_COLLECTIVES}")
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -109,8 +106,7 @@ def contribution_label(ranks: Iterable[int], world_size: int) -> str:
 
 
 def describe_chunks(values: torch.Tensor, world_size: int) -> str:
-    """A 2^r-encoded buffer, one element per chunk, as the ranks each chunk contains:
-    'chunk 0: Σ    chunk 1: 1+2 ...'."""
+    """Label each chunk of a 2^r-encoded buffer (one element per chunk) with the ranks summed into it."""
     labels = [contribution_label(contributors(v, world_size), world_size) for v in values.tolist()]
     return "  ".join(f"chunk {c}: {label:<5}" for c, label in enumerate(labels)).rstrip()
 
@@ -252,8 +248,7 @@ def draw_bytes_per_rank(max_world_size: int = 64) -> None:
 
 
 def draw_deadlock(world_size: int) -> None:
-    """Ranks on a circle, each inside a blocking recv from its left neighbour: every arrow (who waits for whom)
-    points to a rank that is waiting too, a cycle that nothing breaks."""
+    """Ranks in a circle, each blocked receiving from its left: the waits-for arrows form a cycle nothing breaks."""
     import math
 
     import matplotlib.pyplot as plt
@@ -293,8 +288,7 @@ def draw_all_holdings(held: Sequence[dict[str, tuple[Any, Any]]]) -> None:
 
 
 def draw_bandwidth(rows: Sequence[dict], alpha: float, beta: float, world_size: int) -> None:
-    """Section 6's measurement: bus bandwidth and time against size per collective, and the alpha-beta model of
-    all_reduce fitted to them (dashed)."""
+    """Section 6: bus bandwidth and time per collective against size, and the fitted alpha-beta all_reduce (dashed)."""
     import matplotlib.pyplot as plt
     import numpy as np
 
@@ -342,8 +336,7 @@ def benchmark(
     device: torch.device | str = "cpu",
     warmup: int = 1,
 ) -> list[dict]:
-    """Time each collective at each size on every rank; call on all ranks.
-    Runs alternate size by size, so slow phases of a shared machine hit every collective alike."""
+    """Time each collective per size on all ranks; sizes alternate so a shared machine's slow phases hit all alike."""
     device = torch.device(device)
     n = dist.get_world_size()
     calls = collective_calls(n)

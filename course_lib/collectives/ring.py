@@ -20,8 +20,7 @@ def peer(group: dist.ProcessGroup | None, group_rank: int) -> int:
 def send_recv(
     send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group: dist.ProcessGroup | None = None
 ) -> None:
-    """Send `send` to dst while receiving `recv` from src, both at once.
-    batch_isend_irecv posts both before waiting, so a ring of such exchanges cannot deadlock."""
+    """Send and receive at once: batch_isend_irecv posts both before waiting, so a ring of these cannot deadlock."""
     ops = []
     if send.numel():
         ops.append(dist.P2POp(dist.isend, send, peer(group, dst), group))
@@ -263,8 +262,7 @@ def alpha_beta_time(collective: str, nbytes: float, world_size: int, alpha: floa
 def fit_alpha_beta(
     collective: str, nbytes: Sequence[float], seconds: Sequence[float], world_size: int
 ) -> tuple[float, float]:
-    """Fit alpha (s) and beta (s/byte) of :func:`alpha_beta_time` to measured times.
-    Least squares on the relative error, so the small messages (alpha) count as much as the large ones (beta)."""
+    """Fit alpha (s) and beta (s/byte) by least squares on relative error, so small messages weigh as much as large."""
     import numpy as np
 
     messages = alpha_beta_time(collective, 1.0, world_size, 1.0, 0.0)

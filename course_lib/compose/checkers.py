@@ -1,6 +1,4 @@
-"""The exercises of notebook 13, checked on real ranks: a rank's coordinates, gradient accumulation with
-deferred sync under FSDP2, and micro-batches every data-parallel rank agrees on (the solutions are in
-notebooks/solutions/13_composing_parallelism.py)."""
+"""Notebook 13's exercise checkers on real ranks (solutions: notebooks/solutions/13_composing_parallelism.py)."""
 
 from __future__ import annotations
 
@@ -16,14 +14,7 @@ from course_lib.launch.runtime import rank_device
 
 
 def check_my_coordinates(fn: Callable[[int, int, int, int], object]) -> None:
-    """fn(rank, pp, dp, tp) -> the (p, d, t) coordinates of `rank` in a (pp, dp, tp) mesh, for every rank.
-
-    On the meshes that fit in the world (pp, dp in 1, 2, 4; the first pp * dp * tp ranks when the product is less
-    than the world, so a prime world size still has shapes where dp and tp differ) each rank's own answer must be
-    the DeviceMesh's `get_coordinate()`. Then, for every rank of larger meshes no laptop could launch, the answer
-    must be where that rank sits in the mesh's row-major rank array. Asking a mesh for its own coordinate, or
-    communicating at all, cannot answer for other ranks: the recorder refuses any collective.
-    """
+    """Checks fn(rank, pp, dp, tp) -> (p, d, t), also on meshes too big to launch: it must compute, not communicate."""
     from course_lib import comms
 
     world = dist.get_world_size()
@@ -61,14 +52,7 @@ def _expect_coordinates(fn: Callable, rank: int, shape: tuple[int, int, int], ex
 
 
 def check_accumulate(fn: Callable) -> None:
-    """fn(model, micro_batches) accumulates one step's gradients over the micro-batches of an FSDP2 model.
-
-    Every rank has its own micro-batches (its rows of one global batch), so only the reduced gradients can
-    equal the mean over the global batch. Counted on the wire: the parameters gathered twice per micro-batch
-    (each runs forward and backward on its own), the gradients reduce-scattered once per block and step.
-    Model, mesh and batches are on the rank's device; the reference is one process on the CPU (max_difference
-    compares across devices).
-    """
+    """Checks FSDP2 accumulation: global-batch mean grads, 2 all-gathers per micro-batch, 1 reduce-scatter per step."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from course_lib import comms
@@ -112,12 +96,7 @@ def check_accumulate(fn: Callable) -> None:
 
 
 def check_micro_batches(fn: Callable) -> None:
-    """fn(x, y, micro_batch_size) -> [(x_i, y_i), ...]: this rank's rows in order, in micro-batches of at most
-    micro_batch_size, and as many micro-batches on every rank (FSDP ranks run their forwards in lockstep).
-
-    The ranks hold different numbers of rows, and which rank holds the most changes from round to round.
-    The rows are on the rank's device (a count the ranks agree on is then a collective on that device).
-    """
+    """Checks fn(x, y, size) gives every rank as many micro-batches (FSDP ranks run forwards in lockstep)."""
     world, me = dist.get_world_size(), dist.get_rank()
     device = rank_device()
     rounds = [(2, 3, world - 1), (4, 5, 0), (4, 4, 0), (3, 4, world // 2)]  # (rows, rows of the big rank, big rank)

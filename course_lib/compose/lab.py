@@ -75,8 +75,7 @@ def plot_held(shards: list[dict[str, Shard]], layout: Dims) -> torch.Tensor:
 
 
 def draw_plan(billions: int, nodes: int, gpus_per_node: int, tp: int, pp: int, inter_node_GBps: int) -> None:
-    """The planner on a Llama-like model of `billions` parameters (80 layers): memory per GPU by part against an
-    H100's 80 GB, and communication per GPU and step by dimension."""
+    """The planner's memory (against an H100's 80 GB) and traffic per GPU for a Llama-like model of `billions` B."""
     import matplotlib.pyplot as plt
 
     n_gpus = nodes * gpus_per_node
@@ -112,9 +111,7 @@ def counted_accumulation(
     mesh: Any,
     device: torch.device,
 ) -> tuple[float, dict[str, float]]:
-    """One step over this rank's micro-batches, gradients accumulated, its collectives recorded and priced per mesh
-    dimension (``Recorder.by_dimension``). The gradient sync runs after every micro-batch's backward, or only in the
-    last one's: the loop exercise 8.3 asks for. Returns this rank's loss share and the priced bytes."""
+    """One accumulated step's loss share and bytes per mesh dimension, syncing each micro-batch or only the last."""
     from course_lib import comms
     from course_lib.compose.parallelize import shard_loss
 
@@ -129,8 +126,7 @@ def counted_accumulation(
 
 
 def draw_rank_grid(pp: int, dp: int, tp: int, gpus_per_node: int) -> None:
-    """The ranks of a (pp, dp, tp) mesh laid out on nodes of `gpus_per_node` GPUs: each rank with its (p, d, t),
-    its tp group boxed (neighbours: inside a node when tp divides the node), its dp and pp partners joined by lines."""
+    """A (pp, dp, tp) mesh's ranks on nodes: tp groups boxed (in a node when tp divides it), dp/pp partners joined."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
@@ -167,9 +163,7 @@ def plan_options(
     virtual: tuple[int, ...] = (1,),
     **choices: Any,
 ) -> list[dict[str, float]]:
-    """Every (dp, tp, pp) of powers of two, tp inside a node, that the model's layers and heads allow, for each
-    context-parallel size in `cps` (dividing the sequence) and virtual stages in `virtual` (v > 1 with pp > 1, the
-    layers divided into pp x v stages), by memory. `choices` (global_batch=, zero_stage=, ...) go to :func:`plan`."""
+    """Every (cp, dp, tp, pp, v) layout the model and cluster allow (tp inside a node), planned, sorted by memory."""
     rows = []
     powers = [2**k for k in range(n_gpus.bit_length())]
     for cp in cps:

@@ -1,11 +1,6 @@
-"""The rank grid of notebook 13 (by hand with dist.new_group, and as one DeviceMesh), and each parallelism as a
-function applied to a model over one mesh dimension.
+"""Notebook 13's rank grid (by hand and as a DeviceMesh) and each parallelism as a function over one mesh dimension.
 
-:func:`apply_tp` (tensor parallel, notebook 08), :func:`apply_fsdp` (FSDP2 or HSDP, notebook 03),
-:func:`stage_blocks` (a pipeline stage, notebook 09), on a stack of the course's transformer blocks.
-The composed model must train exactly as one process does: :func:`reference_grads` is that process,
-:func:`unsharded_gradients` what a rank compares with it.
-"""
+The composed model must train exactly as one process does: :func:`reference_grads` is that process."""
 
 from __future__ import annotations
 
@@ -75,21 +70,13 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def shard_loss(out: torch.Tensor, target: torch.Tensor, global_batch: int, dp: int) -> torch.Tensor:
-    """This dp rank's share of the global-batch mean loss, scaled for a gradient average over `dp` ranks.
-
-    FSDP (and DDP) average gradients over the dp ranks. With shares of unequal size (12 sequences over
-    5 ranks: 3, 3, 2, 2, 2) a plain per-rank mean would weigh a sample of a small share more; scaling
-    by dp * n_local / n_global makes the average over dp exactly the mean over the global batch.
-    """
+    """This dp rank's loss share, scaled by dp·n_local/n_global so unequal shares average to the global-batch mean."""
     return loss_fn(out, target) * (dp * len(out) / global_batch)
 
 
 @contextmanager
 def quiet_full_tensor() -> Iterator[None]:
-    """Gathering a (FSDP x TP) gradient for a check logs a note that it takes two all-gathers.
-
-    That note is about speed, and these gathers exist only to compare with the reference.
-    """
+    """Silences DTensor's two-all-gathers speed note: these gathers exist only to compare with the reference."""
     logger = logging.getLogger("torch.distributed.tensor._redistribute")
     level = logger.level
     logger.setLevel(logging.ERROR)
@@ -100,8 +87,7 @@ def quiet_full_tensor() -> Iterator[None]:
 
 
 def unsharded_gradients(blocks: nn.Module, first_block: int = 0) -> dict[str, torch.Tensor]:
-    """compare.full_gradients named as in the whole model: a pipeline stage's blocks are numbered from 0,
-    the model's from `first_block` (a collective when the gradients are sharded)."""
+    """Full gradients named as in the whole model (a stage numbers its blocks from 0); a collective when sharded."""
     with quiet_full_tensor():
         gradients = full_gradients(blocks)
     renamed = {}
@@ -138,11 +124,7 @@ def rank_grid(world_size: int, pp: int, dp: int, tp: int) -> dict[str, list[list
 
 
 def new_groups_by_hand(world_size: int, pp: int, dp: int, tp: int) -> dict[str, dist.ProcessGroup]:
-    """The pre-DeviceMesh way: dist.new_group for every group, called by EVERY rank in the same order.
-
-    new_group is itself a collective: a rank that skips the groups it is not in (the classic bug)
-    leaves the others waiting, or silently pairs up the wrong groups.
-    """
+    """The pre-DeviceMesh way: every rank calls new_group for every group in order, or the ranks hang or mispair."""
     mine = {}
     for name, groups in rank_grid(world_size, pp, dp, tp).items():
         for ranks in groups:

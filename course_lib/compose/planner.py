@@ -1,9 +1,6 @@
 """A planner for real clusters (kernel-only): memory, bytes and time per GPU for a (dp, tp, pp, cp, v) choice.
 
-Bytes are what one GPU sends per step under a ring algorithm (``comms.RING``, the course's one cost table), each
-tensor in the dtype it travels in; notebook 13 counts them on ranks (:mod:`.traffic`) and asserts the planner's
-numbers for small layouts.
-"""
+Bytes follow ``comms.RING``, the cost table notebook 13 counts on ranks, so small layouts assert the planner."""
 
 from __future__ import annotations
 
@@ -33,21 +30,7 @@ CP_GRAD_BYTES = 4  # torch's ring attention sends dK/dV in fp32 (_cp_options.con
 def activation_bytes_per_layer(
     m: ModelShape, tp: int, sequence_parallel: bool = True, recompute: str = "none", attention: str = "sdpa"
 ) -> float:
-    """Activations one layer keeps for backward, per micro-batch, 16-bit: Korthikanti et al.'s terms for a GPT layer
-    (:func:`course_lib.activations.korthikanti_terms`, notebook 05), rescaled for this layer and run as torch runs it.
-    In units of s·b·h (r = h_kv/h, f = d_ff/h; a GPT layer: r = 1, f = 4, dropout):
-
-    whole on every tp rank: the two norms' inputs (4), the inputs of q/k/v and of the MLP (2 + 2), the two dropout
-    masks (2); split over tp: q, k, v, the attention output (2 + 4r + 2), the MLP's hidden (4f, or 6f gated:
-    SwiGLU keeps three tensors of d_ff): s*b*h * (10 + 24/t) for a GPT layer
-    + sequence parallel with torch's plan: the norms and masks run on s/t tokens, but the all-gathered
-    norm outputs that q, k, v and the MLP's first Linear save stay whole: s*b*h * (4 + 30/t); Megatron
-    all-gathers them again in backward instead and keeps 34/t
-    + 5*a*s/(h*t)             attention="eager": the s x s scores kept (probabilities, dropout mask and output).
-                              SDPA's fused kernels keep none, only a log-sum-exp per query; selective
-                              recomputation (recompute="selective") drops them too
-    2*s*b*h (/t with SP)      recompute="full": only the layer's input is kept
-    """
+    """16-bit bytes a layer keeps per micro-batch: Korthikanti et al.'s terms fitted to GQA, SwiGLU and torch's SP."""
     s, b, h = m.seq, m.micro_batch, m.hidden
     if recompute == "full":
         return 2 * s * b * h / (tp if sequence_parallel else 1)
@@ -76,9 +59,7 @@ def microbatches(global_batch: int, dp: int, micro_batch: float) -> int:
 
 
 def in_flight(pp: int, virtual_stages: int = 1) -> float:
-    """Micro-batches of the first stage's layers whose activations are alive at 1F1B's peak, in units of
-    L/pp layers: pp; interleaved (v stages per GPU, each L/(pp v) layers) pp (1 + (pp-1)/(pp v)) (Korthikanti
-    et al. 2022, section 4.2.3): its warm-up runs 2(pp-1) + (v-1)pp chunk forwards before the first backward."""
+    """Micro-batches alive at 1F1B's peak on the first stage, in L/pp-layer units (Korthikanti et al. 2022, 4.2.3)."""
     return pp * (1 + (pp - 1) / (pp * virtual_stages)) if virtual_stages > 1 else pp
 
 
@@ -190,26 +171,7 @@ def plan(
     reduce_bytes_per_value: int = 4,
     mfu: float = 0.4,
 ) -> dict[str, float]:
-    """Memory per GPU (GB), bytes each GPU sends per step (GB) and their time at the cluster's link speeds.
-
-    The mesh is (pp, dp, cp, tp), tp innermost (inside a node). A step is global_batch / (dp x micro_batch)
-    micro-batches per dp rank, each a forward and a backward; cp ranks split each sequence (s/cp tokens each).
-    Memory is the fuller of the first and the last stage: states (16 bytes/param) of its layers, plus the
-    embedding table (first) or the head (last), split over tp (vocabulary-parallel) and sharded over dp x cp by ZeRO
-    `zero_stage`; activations of :func:`in_flight` micro-batches of L/pp layers on the first stage, one on the last,
-    which also keeps the head's input and the logits (s·b·V/tp, fp32 for the loss). With recompute="full" a layer
-    keeps only its input, and the backward rebuilds one layer's activations at a time on top of them.
-    Bytes per micro-batch, activations in `bytes_per_value`: TP all-reduces activations `m.tp_all_reduces` times per
-    layer (and the forward's half again when recompute="full" reruns the forward; the embedding's and head's own
-    collectives are left out); CP (ring attention, torch's) sends the other ranks' K and V forward, again in
-    backward, and dK/dV (fp32) back, per layer (:mod:`course_lib.context_parallel.layout`; the forward again under full
-    recomputation); PP sends one activation forward and one gradient back per stage boundary, v x pp - 1 of them.
-    FSDP's traffic is in :func:`fsdp_collectives`: ZeRO-3 all-gathers parameters (`bytes_per_value`) in every
-    micro-batch's forward and backward and reduce-scatters gradients (`reduce_bytes_per_value`, fp32: FSDP2's
-    reduce_dtype in torchtitan) per micro-batch, unless told otherwise. With pp > 1, `reshard_after_backward` and
-    `defer_grad_sync` default to what torch.distributed.pipelining sets on an FSDP stage (stage.py: parameters kept
-    gathered after a micro-batch's backward, one gradient sync after the last): False and True.
-    """
+    """Memory (GB), bytes sent (GB) and their time per GPU and step on a (pp, dp, cp, tp) mesh, tp inside a node."""
     if tp > cluster.gpus_per_node:
         raise ValueError(f"tp={tp} spans nodes: keep tensor parallelism inside a node (tp <= {cluster.gpus_per_node})")
     if m.layers % (pp * virtual_stages):

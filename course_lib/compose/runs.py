@@ -1,15 +1,6 @@
 """Published training runs against the planner: a step-time model and its predicted MFU beside the paper's figure.
 
-The model, per GPU and step (every assumption named; :class:`~.planner.Cluster` holds the numbers):
-- compute: the step's FLOPs (:func:`~.planner.flops_per_token`, x 4/3 with full recomputation) over the GPUs, at
-  `matmul_efficiency` x the peak: every FLOP as fast as a large matmul, nothing else costs time;
-- the pipeline bubble: (pp - 1) / (v x micro-batches) of the compute (1F1B, v virtual stages per GPU);
-- tensor parallel: its all-reduces (the planner's bytes), exposed, each ring step paying the link's latency;
-- pipeline sends: one activation forward and one gradient back per micro-batch and stage, exposed; with tp > 1 each
-  tp rank sends 1/tp of it (Megatron's scatter-gather);
-- data parallel: all-reduced after the last micro-batch, exposed (Megatron, ZeRO stage 0); FSDP's gathers and
-  reduce-scatters overlap the compute and cost only what exceeds it (ZeRO stage 3).
-"""
+Compute runs at a large matmul's speed; TP, PP and DP traffic is exposed, FSDP's costs only what exceeds compute."""
 
 from __future__ import annotations
 
@@ -50,8 +41,7 @@ class Run:
 
 
 def megatron_mfu(tflops_per_gpu: float, m: ModelShape, peak_tflops: float) -> float:
-    """MFU from Megatron's TFLOP/s per GPU, which count the recomputed forward too (Narayanan et al. 2021, eq. 3:
-    96·B·s·l·h²·(1 + s/6h + V/16lh) per step, i.e. 96·l·h² + 16·l·h·s + 6·V·h per token)."""
+    """MFU from Megatron's TFLOP/s per GPU, which count the recomputed forward too (Narayanan et al. 2021, eq. 3)."""
     layers, h, s = m.layers, m.hidden, m.seq
     counted = 96 * layers * h * h + 16 * layers * h * s + 6 * m.vocab * h
     return tflops_per_gpu / peak_tflops * flops_per_token(m) / counted

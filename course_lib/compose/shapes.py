@@ -7,11 +7,7 @@ from dataclasses import dataclass
 
 @dataclass
 class ModelShape:
-    """A transformer's shape, and the sequences it trains on: `micro_batch` sequences of `seq` tokens.
-
-    `n_params` None: counted from the shape (:func:`parameters`). Defaults are a GPT layer (multi-head attention,
-    a GELU MLP of 4 x hidden, dropout, no vocabulary); Llama sets kv_heads, d_ff, glu (SwiGLU: three matrices),
-    vocab, untied head and no dropout."""
+    """A transformer's shape and its training sequences; defaults are a GPT layer, n_params None counts the shape."""
 
     n_params: float | None
     layers: int
@@ -39,8 +35,7 @@ class ModelShape:
 
 
 def parameters(m: ModelShape) -> float:
-    """Weights: per layer q and o (h x h each), k and v (h x h_kv·d each), the MLP (2 or, gated, 3 matrices of
-    h x d_ff) and two norms; then the embedding table, the head unless tied, and the final norm."""
+    """Weight count from the shape: attention (GQA), MLP (2 or 3 matrices), norms, embedding and an untied head."""
     if m.n_params is not None:
         return m.n_params
     h = m.hidden
@@ -49,10 +44,7 @@ def parameters(m: ModelShape) -> float:
 
 
 def flops_per_token(m: ModelShape) -> float:
-    """Training FLOPs per token, forward and backward (torchtitan's count, the one MFU is reported against):
-    6 per matmul weight (every weight but an untied embedding table, which is a lookup) and 12·L·h·s for the
-    attention scores and their weighted sum. Megatron's formula (Narayanan et al. 2021, eq. 3) is the same count
-    for a GPT with a tied head: 72·L·h² + 12·L·h·s + 6·V·h per token (times 4/3 with full recomputation)."""
+    """Training FLOPs per token as torchtitan counts them for MFU: 6 per matmul weight plus 12·L·h·s of attention."""
     lookup = 0 if m.tied else m.vocab * m.hidden
     return 6 * (parameters(m) - lookup) + 12 * m.layers * m.hidden * m.seq
 

@@ -1,16 +1,6 @@
 """Layouts of many ranks in one process: torch's fake backend plays each rank of an N-rank job in turn.
 
-``init_process_group("fake", ...)`` gives this process a rank and a world size, and every collective returns at
-once without moving data. The course's parallelize (:meth:`.Dims.build_mesh`, :func:`.stage_blocks`, :func:`.apply_tp`,
-:func:`.apply_fsdp`) then runs unchanged: the rank holds the shards it would hold in the real job, and one step
-issues the collectives it would issue, which ``comms.Recorder`` counts. The values are meaningless (nothing was
-gathered or summed), and so is any time. Tensors stay on the CPU: only shapes and calls are simulated.
-
-A pipeline stage cannot run its schedule this way: the schedule's first step receives the shapes the stages
-exchange (``recv_object_list``), and a fake receive delivers nothing. Each stage is simulated as dp x tp instead,
-running its micro-batches as ``torch.distributed.pipelining`` runs them under GPipe, with the FSDP choices it makes
-(stage.py: parameters kept gathered after the first backward, the gradients reduce-scattered once, at the end).
-"""
+Shards and collective calls are real, values and times are not; a fake recv is empty, so stages run as dp x tp."""
 
 from __future__ import annotations
 
@@ -30,16 +20,14 @@ from course_lib.launch.runtime import fake_rank
 
 @dataclass(frozen=True)
 class Shard:
-    """What one rank holds of one parameter: its local shape, and on how many ranks of its stage the same shard
-    sits (the mesh dimensions the parameter is replicated over, e.g. a LayerNorm's weight over tp)."""
+    """One rank's local shape of a parameter, and on how many ranks of its stage that shard is replicated."""
 
     shape: tuple[int, ...]
     copies: int
 
 
 def parallelized_stage(dims: Dims, n_blocks: int) -> tuple[nn.Sequential, DeviceMesh, int]:
-    """The current rank's pipeline stage with TP over "tp" and FSDP over "dp", as notebook 13's 2D/3D cells build
-    it; its mesh, and the index of its first block in the whole model."""
+    """This rank's stage with TP over "tp" and FSDP over "dp" as notebook 13 builds it; its mesh; its first block."""
     mesh = dims.build_mesh()
     stage = mesh["pp"].get_local_rank()
     blocks = stage_blocks(make_model(n_blocks), stage, dims.pp)
@@ -84,8 +72,7 @@ def stage_step(blocks: nn.Sequential, micro_batches: list[tuple[torch.Tensor, to
 
 @dataclass(frozen=True)
 class StageStep:
-    """One step on the first rank of a pipeline stage: its collective calls by mesh dimension and op
-    ("dp all_gather": calls), and the bytes it sends per dimension (ring model, as ``Recorder.by_dimension``)."""
+    """A stage's first rank's step: collective calls by "dim op", bytes sent by dimension (as Recorder.by_dimension)."""
 
     calls: dict[str, int]
     sent: dict[str, float]

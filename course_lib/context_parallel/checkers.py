@@ -43,8 +43,7 @@ _WRITE_THE_RING = (
 
 
 def check_ring_forward(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
-    """fn(q, k, v) -> this rank's rows of softmax(Q Kᵀ/√d) V over the whole sequence (no mask), by point-to-point
-    messages only; a tensor spanning the whole sequence (gather everything, attend once) is the refused shortcut."""
+    """Checks fn(q, k, v) gives this rank's attention over the whole sequence by point-to-point only, never gathered."""
     rank, n = dist.get_rank(), dist.get_world_size()
     side = side_group()
     for chunk, dim in ((3, 4), (5, 8)):
@@ -98,9 +97,7 @@ _SHAPE_ONLY = {"empty_like", "zeros_like", "ones_like", "full_like", "new_empty"
 
 
 class _Watch(TorchDispatchMode):
-    """What the learner's ops hold: the longest last or second-to-last dimension of any tensor an op makes (the most
-    tokens one tensor held), and `waiting`, the most received K/V blocks (in blocks of `block_bytes`) not yet read
-    when the queries meet a block: a ring has at most the one arriving; gathering every block first has N - 1."""
+    """Measures the most tokens one tensor held and the received K/V blocks still unread: a ring has at most one."""
 
     def __init__(self, queries: torch.Tensor, block_bytes: int) -> None:
         super().__init__()
@@ -135,8 +132,7 @@ _WRITE_THE_INVERSE = (
 
 
 def check_heads_to_sequence(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """fn(x) -> this rank's tokens of every head: x (batch, h/N, S, d) holds every token of this rank's heads
-    (heads r·h/N ... (r+1)·h/N - 1); the result (batch, h, S/N, d) is the contiguous chunk r of the sequence."""
+    """Checks fn turns this rank's heads (batch, h/N, S, d) into chunk r of every head (batch, h, S/N, d)."""
     rank, n = dist.get_rank(), dist.get_world_size()
     side = side_group()
     for batch, heads_per_rank, chunk, dim in ((2, 1, 3, 4), (1, 2, 2, 3)):

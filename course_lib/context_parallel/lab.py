@@ -1,6 +1,5 @@
 """Notebook 10's lab, part 1: ring attention timed on a group, torch's own context parallelism, and the
-kernel-side figures and explorer.
-"""
+kernel-side figures and explorer."""
 
 from __future__ import annotations
 
@@ -162,8 +161,7 @@ def draw_step_times(
 
 
 def draw_cp_explorer(seq_len_k: int, ranks: int, link: str) -> None:
-    """Llama 3 8B's attention layer (32 query heads and 8 K/V heads of 128, bf16, batch 1) at `seq_len_k`·1024
-    tokens on N ranks: the ring passes the 8 K/V heads."""
+    """Llama 3 8B attention's memory and traffic per rank at `seq_len_k`·1024 tokens; the ring passes 8 K/V heads."""
     import matplotlib.pyplot as plt
 
     seq, heads, kv_heads, dim, e = seq_len_k * 1024, 32, 8, 128, 2
@@ -202,8 +200,7 @@ def draw_cp_explorer(seq_len_k: int, ranks: int, link: str) -> None:
 
 
 def draw_ulysses_layout(world_size: int, heads: int = 12) -> None:
-    """Ulysses' all-to-all: who holds which (head, sequence chunk) before (my tokens of every head), during
-    attention (every token of my heads) and after (my tokens again); hatched: the blocks an all-to-all moves."""
+    """Who holds which (head, chunk) before, during and after Ulysses' all-to-alls; hatched: the blocks moved."""
     import matplotlib.pyplot as plt
 
     n, per = world_size, heads // world_size
@@ -231,8 +228,7 @@ def draw_ulysses_layout(world_size: int, heads: int = 12) -> None:
 
 
 def draw_online_softmax(scores: Sequence[float], split: int) -> None:
-    """One query's attention weights over its keys: each block's softmax alone, and the same weights rescaled by
-    exp(lse_block - lse), which is the softmax over all keys."""
+    """One query's per-block softmaxes, and rescaled by exp(lse_block - lse): exactly the softmax over all keys."""
     import matplotlib.pyplot as plt
 
     s = torch.tensor(scores, dtype=torch.float64)

@@ -199,8 +199,7 @@ def ring_attention(
 
 
 def sent_by_kind(rec: comms.Recorder) -> dict[str, int]:
-    """Bytes this rank's ring attention sent, by kind (the keys of cost.ring_bytes), read from a recorder around
-    its forward and backward."""
+    """Bytes this rank's ring attention sent by kind (cost.ring_bytes' keys), from a recorder around fwd and bwd."""
     sends = [c for c in rec.calls if c.op == "send"]
     backward = [c for c in sends if c.phase == "backward"]
     per_layer = 2 * len(backward[0].group) - 1 if backward else 1

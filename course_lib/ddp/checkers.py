@@ -88,8 +88,7 @@ def check_mean_allreduce_hook(fn: CommHook) -> None:
 
 
 def check_accumulate_step(fn: Callable[..., None]) -> None:
-    """fn(ddp_model, micro_batches, optimizer): one step over 2 micro-batches with accumulated gradients.
-    Must equal DDP's step on the whole batch, with one all-reduce per step and one backward per micro-batch."""
+    """Checker: 2 accumulated micro-batches equal DDP's full-batch step: one all-reduce a step, one backward each."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from course_lib.models import MLP

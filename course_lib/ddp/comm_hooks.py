@@ -20,8 +20,7 @@ COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 
 
 def bf16_compress_hook_any_backend(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """torch's bf16_compress_hook under another name.
-    torch refuses the hook by its name unless CUDA + NCCL >= 2.10, though gloo all-reduces bfloat16 fine."""
+    """torch's bf16_compress_hook renamed: torch refuses that name unless CUDA + NCCL >= 2.10; gloo does bfloat16."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     return default_hooks.bf16_compress_hook(state, bucket)
@@ -105,8 +104,7 @@ def train_with_hook(
 
 
 def timed_allreduce_hook(events: list[tuple[int, int, float, float]]) -> CommHook:
-    """A torch DDP comm hook that all-reduces (mean) and records (bucket, bytes, start, end) in `events`,
-    in time.perf_counter() seconds."""
+    """A DDP comm hook that all-reduces (mean) and records (bucket, bytes, start, end) in perf_counter seconds."""
     pending: list[tuple[int, int, Stamp, Stamp]] = []  # this step's rows on CUDA, until its last bucket
 
     def hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

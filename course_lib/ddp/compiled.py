@@ -18,8 +18,7 @@ from course_lib.launch.runtime import seconds_in_turns
 
 
 def recording_backend(graphs: list[int], inductor: bool = False) -> Callable[..., Any]:
-    """A torch.compile backend that appends to `graphs` the parameter bytes of each graph it is handed (parameters
-    come in as the graph's inputs), then runs the graph as captured, or compiled by Inductor."""
+    """A torch.compile backend recording each graph's parameter bytes (they arrive as inputs); Inductor optional."""
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
         graphs.append(sum(t.numel() * t.element_size() for t in example_inputs if isinstance(t, nn.Parameter)))
@@ -65,8 +64,7 @@ def compiled_against_eager(
     parallelize: Callable[[nn.Module, Callable[..., Any] | None], nn.Module] = compile_then_ddp,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = nn.functional.mse_loss,
 ) -> dict[str, Any]:
-    """The same data-parallel training eager and compiled (`parallelize(model, backend)`), taking turns.
-    Returns the losses, first-step seconds, graphs compiled (more at the end is a recompile), breaks, fastest step."""
+    """Eager and compiled DDP taking turns: losses, first-step time, graphs (a late one is a recompile), breaks."""
     from torch._dynamo.utils import counters
 
     breaks_before = sum(counters["graph_break"].values())

@@ -1,6 +1,5 @@
 """Notebook 02's lab, kernel side: ring bytes, the bucket simulator and its explorer, memory per rank, and
-what dividing by N before the sum does in low precision.
-"""
+what dividing by N before the sum does in low precision."""
 
 from __future__ import annotations
 
@@ -15,9 +14,7 @@ from course_lib.memory import zero_bytes_per_gpu
 
 
 def low_precision_mean(grads: list[torch.Tensor], divide_first: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The mean of the ranks' gradients as a reduction in their dtype computes it: added one rank after
-    the other (every addition rounds), each divided by N before (`divide_first`, as torch DDP does) or
-    the sum divided after. Returns (mean, the running partial sums)."""
+    """The ranks' mean as a low-precision reduction rounds it, sum by sum, divided by N first (as DDP does) or last."""
     n = len(grads)
     terms = [g / n for g in grads] if divide_first else list(grads)
     partial = [terms[0]]
@@ -61,8 +58,7 @@ def overlap_fraction(calls: list[tuple[float, float]], backward_s: float) -> flo
 
 
 def ddp_bytes_per_rank(n_params: int, param_bytes: int = 4, optimizer_states: int = 2, bucket_copy: bool = True) -> int:
-    """Every rank holds everything (ZeRO's stage 0): weights + gradients + optimizer states, plus the
-    bucket copy of the gradients unless gradient_as_bucket_view=True. Activations come on top and scale with B/N."""
+    """DDP memory per rank (ZeRO stage 0) plus the bucket copy unless gradient_as_bucket_view; activations excluded."""
     held = zero_bytes_per_gpu(
         n_params,
         world_size=1,
@@ -85,9 +81,7 @@ def draw_buckets(
     bandwidth_B_per_ms: float,
     world_size: int,
 ) -> None:
-    """Left: backward and the bucketed all-reduces simulate_buckets schedules at `bucket_cap_mb`, on a network
-    `network_speedup` times faster than the measured one. Right: the time left after backward, and the number of
-    calls, over a sweep of bucket_cap_mb."""
+    """Bucketed all-reduces against backward at `bucket_cap_mb` on a faster network, and a sweep of the cap."""
     import matplotlib.pyplot as plt
 
     speed = bandwidth_B_per_ms * network_speedup
@@ -152,8 +146,7 @@ def draw_overlap(timelines: dict[str, list[tuple[int, int, float, float]]], back
 
 
 def draw_graph_cuts(splits: dict[str, dict[str, list[int]]], module: torch.nn.Module) -> None:
-    """A strip of `module`'s layers (parameter MB, backward order) per setting: where Dynamo's graphs end (red,
-    above) and where DDP's buckets end (blue, below). A bucket that ends inside a graph waits for that graph."""
+    """Where Dynamo's graphs end against where DDP's buckets end: a bucket ending inside a graph waits for the graph."""
     import itertools
 
     import matplotlib.pyplot as plt
@@ -214,8 +207,7 @@ def draw_runs(losses: dict[str, list[float]], reference: str = "single process")
 
 
 def draw_join(batches_per_rank: list[int]) -> None:
-    """Join, step by step: a rank with a batch computes and all-reduces its gradient (colour); a rank out of batches
-    shadows the others' all-reduces with zeros (hatched), until no rank has a batch left."""
+    """Join step by step: ranks out of batches shadow the others' all-reduces with zeros until every rank is out."""
     import matplotlib.pyplot as plt
 
     steps = max(batches_per_rank)

@@ -18,9 +18,7 @@ Stamp = float | torch.cuda.Event  # a moment: time.perf_counter() seconds, or a 
 
 
 def stamp(device: torch.device) -> Stamp:
-    """Now, for work on `device`: time.perf_counter() on the CPU. On CUDA the host only queues the work and runs
-    ahead of it, so the moment is a timing event recorded on the current stream: the GPU passes it once the work
-    queued before it on that stream is done. :func:`on_host_clock` turns such events into seconds."""
+    """Now, for work on `device`: perf_counter on CPU; on CUDA a stream event, as the host runs ahead of queued work."""
     if device.type != "cuda":
         return time.perf_counter()
     event = torch.cuda.Event(enable_timing=True)
@@ -29,8 +27,7 @@ def stamp(device: torch.device) -> Stamp:
 
 
 def on_host_clock(rows: Iterable[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-    """`rows` with every CUDA event (from :func:`stamp`) replaced by the time.perf_counter() second the GPU
-    passed it, so GPU times and host times share one clock; rows without events come back as they are."""
+    """`rows` with stamp()'s CUDA events as perf_counter seconds, so GPU and host times share one clock."""
     rows = [tuple(row) for row in rows]
     if not any(isinstance(value, torch.cuda.Event) for row in rows for value in row):
         return rows

@@ -92,9 +92,7 @@ class TrainLog:
 
 
 def bytes_written() -> int | None:
-    """Bytes this process has passed to write()/writev() (wchar in /proc/self/io): on gloo that is what it
-    sent to its peers (plus a few bytes of output).
-    None under NCCL: its transports (NVLink, PCIe, InfiniBand) are not counted here."""
+    """Bytes this process wrote (/proc/self/io wchar): on gloo, what it sent plus a little output; None under NCCL."""
     if dist.is_initialized() and "nccl" in str(dist.get_backend()):
         return None
     with open("/proc/self/io") as f:

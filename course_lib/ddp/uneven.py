@@ -61,8 +61,7 @@ def train_with_join(model: MinimalDDP, batches: list[Batch], optimizer: torch.op
 def uneven_reference(
     model: nn.Module, batches: list[list[Batch]], lr: float, divide_by_initial_world_size: bool = True
 ) -> nn.Module:
-    """One process, plain SGD: step k sums the gradients of the ranks that still have a k-th batch and
-    divides by N (torch Join's default) or by how many ranks those are. Returns the trained copy."""
+    """One-process SGD reference for Join: step k sums the present ranks' gradients, divided by N or by their count."""
     reference = copy.deepcopy(unwrap(model)).cpu()
     optimizer = torch.optim.SGD(reference.parameters(), lr=lr)
     for step in range(max(len(b) for b in batches)):

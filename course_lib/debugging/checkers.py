@@ -1,5 +1,5 @@
 """The exercises of notebook 14, checked on the ranks: `gradients_in_sync(model)` (implement) and
-`mean_finite_loss(loss)` (diagnose: a rank that skips a collective). Solutions: notebooks/solutions/12_*.py."""
+`mean_finite_loss(loss)` (diagnose: a rank that skips a collective). Solutions: notebooks/solutions/14_*.py."""
 
 from __future__ import annotations
 
@@ -24,8 +24,7 @@ WRITE_THE_CHECKSUMS = (
 
 
 def _model_with_gradients(seed_offset: int) -> nn.Module:
-    """A small MLP whose gradients are identical on every rank (same weights, same batch): 4,996 values in 6
-    tensors, so comparing whole gradients costs hundreds of times a checksum per tensor."""
+    """An MLP with identical gradients on all ranks: 4,996 values in 6 tensors, far dearer to compare than checksums."""
     from course_lib.models import MLP
 
     device = rank_device()
@@ -88,8 +87,7 @@ def check_gradients_in_sync(fn: Callable[[nn.Module], object]) -> None:
 
 
 def check_mean_finite_loss(fn: Callable[[torch.Tensor], object]) -> None:
-    """fn(loss) -> (mean of the finite losses over the ranks, number of ranks whose loss is not finite), the
-    same on every rank. Each rank's loss is its own secret; every rank must make the same collective calls."""
+    """Checker: mean of finite losses and count of non-finite ones, equal on all ranks, via the same collectives."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = rank_device()
     checker_group = dist.new_group(timeout=timedelta(seconds=DEADLOCK_S))  # apart from the learner's calls

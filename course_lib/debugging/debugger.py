@@ -54,8 +54,7 @@ class GradientDesyncError(RuntimeError):
 
 
 class NonFiniteError(FloatingPointError):
-    """A NaN or Inf: raised by the hooks (with raise_on_nonfinite=True) where it first appears, and on
-    every rank by check_gradient_sync when some rank's gradients hold one."""
+    """A NaN or Inf: raised where hooks first see it, and on all ranks by check_gradient_sync if any rank has one."""
 
 
 @dataclass(frozen=True)

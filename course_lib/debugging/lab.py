@@ -1,6 +1,5 @@
 """Notebook 14's lab: what the debug variables print (sanitized), an NCCL timeout under each error-handling
-mode, the step monitor, what a profiler trace holds, and the figures.
-"""
+mode, the step monitor, what a profiler trace holds, and the figures."""
 
 from __future__ import annotations
 
@@ -204,8 +203,7 @@ def trace_event_names(path: str) -> list[str]:
 
 
 def allreduce_sizes(path: str) -> list[int]:
-    """Elements in each all-reduce call of a chrome trace (the dispatcher's c10d::allreduce_ events,
-    which torch.profiler records with their input shapes when record_shapes=True), in call order."""
+    """Elements per c10d::allreduce_ call in a chrome trace, in call order (torch.profiler needs record_shapes=True)."""
     with open(path) as f:
         events = json.load(f).get("traceEvents", [])
     calls = sorted(
@@ -322,8 +320,7 @@ class LiveStepPlot:
 
 
 def plot_stragglers(times: list[dict[str, list[float]]]) -> Figure:
-    """Left: every rank's step time, step by step (all alike). Right: each rank's median step split
-    into its own work and its wait in the all-reduce (the straggler works longest and waits least)."""
+    """Per-rank step times (all alike), and the median step as work plus all-reduce wait: the straggler waits least."""
     import statistics
 
     import matplotlib.pyplot as plt
@@ -349,8 +346,7 @@ def plot_stragglers(times: list[dict[str, list[float]]]) -> Figure:
 def draw_throughput(
     window: int, skip_warmup: int, *, steps: list[dict[str, list[float]]], samples_per_step: int
 ) -> None:
-    """Each rank's global samples per second, step by step (`samples_per_step` / its step's seconds), as a rolling
-    median over `window` steps after the first `skip_warmup`."""
+    """Each rank's global samples per second per step, as a rolling median over `window` steps after `skip_warmup`."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 3))
@@ -366,8 +362,7 @@ def draw_throughput(
 
 
 def draw_hang(diagnosis: Any, program: str = "cell.py") -> None:
-    """A hang across ranks, from its diagnosis: per rank, the collectives it issued (the flight recorder's sequence
-    numbers), the one the others wait in that it never issued, and where its main thread sits (py-spy)."""
+    """Per rank: collectives issued (flight recorder), the one others wait in that it never issued, its py-spy stack."""
     import matplotlib.pyplot as plt
 
     ranks = sorted(diagnosis.flight)

@@ -1,17 +1,6 @@
-"""Checked exercises: the learner's function runs on N real ranks and is judged there.
+"""Checked exercises: the learner's function runs on N real ranks and is judged there against the reference.
 
-In the notebook::
-
-    def rank_sum(value):
-        ...                        # the learner's code
-    check(rank_sum, process_groups.check_rank_sum, nproc=NPROC)
-
-`check` sends the function's source to the ranks, where the checker (a
-function in the technique's package, imported there by its module and name) calls it, compares with the reference
-solution and raises :class:`ExerciseFailed` naming what is wrong. A function
-whose body is still the stub (``raise NotImplementedError``) is reported as
-not attempted, without running anything. ``calls`` holds what the checkers use to see the learner's communication.
-"""
+`check` sends the source, and names the checker by module, so both import on the ranks; a stub is not run at all."""
 
 from __future__ import annotations
 
@@ -62,8 +51,7 @@ def expect_equal(what: str, got: Any, expected: Any, *, atol: float = 1e-6, rtol
 
 @contextlib.contextmanager
 def calls_into(functions: dict[str, Callable | type]) -> Iterator[list[str]]:
-    """During the block, the names of `functions` that ran, in call order: a function by its code, a class by its
-    methods' code, so a call counts however the learner reached it (imported, aliased, bound before the check)."""
+    """Names of `functions` that ran in the block, in order, matched by code so aliased or pre-bound calls count too."""
     codes = {code: name for name, function in functions.items() for code in _codes(function)}
     ran: list[str] = []
     previous = sys.getprofile()
@@ -81,8 +69,7 @@ def calls_into(functions: dict[str, Callable | type]) -> Iterator[list[str]]:
 
 @contextlib.contextmanager
 def refusing(*functions: Callable | type, why: str) -> Iterator[None]:
-    """The course's own version of an exercise may not run inside the block: if any of `functions` (or a method of
-    one of these classes) ran, ExerciseFailed(why) replaces whatever the block returned or raised."""
+    """Fail the exercise with `why` if the course's own solution (`functions`, or their methods) ran in the block."""
     with calls_into({getattr(f, "__qualname__", repr(f)): f for f in functions}) as ran:
         try:
             yield
@@ -124,12 +111,7 @@ def check(
     timeout: float = 120,
     quiet: bool = False,
 ) -> bool | None:
-    """Run `checker` on `nproc` ranks against `fn`.
-
-    Returns True (correct), False (wrong: the message names the rank and the
-    element) or None (not attempted yet). Never raises for a wrong answer.
-    `nproc` below 2 runs on 2 ranks (CPU processes where 2 do not fit on the GPUs).
-    """
+    """Judge `fn` by `checker` on max(nproc, 2) ranks: True, False or None (not attempted); never raises if wrong."""
     from course_lib import launch
 
     say = (lambda *a: None) if quiet else print
@@ -175,13 +157,7 @@ def _importable(checker: Callable) -> tuple[str, str]:
 def check_prediction(
     name: str, predicted: float | None, actual: float, *, rtol: float = 0.05, unit: str = ""
 ) -> bool | None:
-    """A "predict before you run" exercise: the learner's number against the one the notebook measured.
-
-    `predicted` None (the learner has not answered yet) reports "not attempted yet". Within `rtol` of `actual`
-    is correct; otherwise the message says how far off, and in which direction, but not the answer.
-    In a notebook the verdict carries `actual` in its output's metadata (never shown): the course's tests read it
-    to prove that nothing above the exercise printed the answer before the learner predicted it.
-    """
+    """A "predict before you run" verdict within `rtol`; `actual` goes in hidden metadata so tests can prove no leak."""
     if predicted is None:
         verdict, result = f"{name}: not attempted yet", None
     elif not isinstance(predicted, (int, float)) or isinstance(predicted, bool):

@@ -1,12 +1,6 @@
-"""What the exercise checkers use to see that a learner's function communicated, and to end a hang.
+"""What exercise checkers use to see a learner's communication (record_calls) and to turn a hang into an error.
 
-record_calls    while active, the forbidden torch.distributed calls raise and every communication is recorded
-                by a comms.Recorder: the checker sees which collectives and messages each rank used
-run_bounded     call the learner's function with a short process-group timeout: a collective some rank never
-                calls becomes an error on the stuck rank in seconds, instead of a hang
-gather_reports  every rank's report through a side gloo group, which the learner's calls cannot desynchronise
-secret_values   numbers only this rank knows: the right answer needs the other ranks' secrets
-"""
+Reports travel over a side gloo group (gather_reports), which the learner's calls cannot desynchronise."""
 
 from __future__ import annotations
 
@@ -52,15 +46,8 @@ DEADLOCK_S = 8.0  # a checked function still waiting this long in a collective, 
 
 @dataclass
 class record_calls:
-    """``with record_calls(forbidden=...) as recorder:`` wraps torch.distributed's communication functions.
-
-    `recorder` is a comms.Recorder: ``recorder.calls`` holds every communication the learner's code made. A
-    forbidden call (looked up as ``dist.<name>`` at call time, so ``import torch.distributed as dist`` in the
-    learner's function is refused too) raises ExerciseFailed with `advice`. With `bound_s`, a send or recv raises
-    after that many seconds, blocking or at the `wait()` of its isend/irecv (gloo ignores the group's timeout
-    there): for tensors gloo carries (CPU tensors, also on the default group of an NCCL rank, whose CPU part is
-    gloo). NCCL's work.wait does not block the host, so a GPU tensor's send or recv is not bounded.
-    """
+    """Wrap torch.distributed's communication: forbidden calls raise ExerciseFailed, the rest land in a comms.Recorder.
+    `bound_s` bounds only gloo sends/recvs: NCCL's wait does not block the host, so a GPU tensor's send is unbounded."""
 
     forbidden: Iterable[str] = ()
     advice: str = ""
@@ -131,13 +118,7 @@ def _unwrapping(original_op: type[dist.P2POp]) -> Callable[..., dist.P2POp]:
 
 
 def run_bounded(fn: Callable[..., Any], *args: Any, seconds: float = DEADLOCK_S) -> tuple[Any, BaseException | None]:
-    """fn(*args) with the default group's timeout lowered to `seconds`: (result, None) or (None, the error).
-
-    A rank stuck in a collective that not every rank calls raises after `seconds` (gloo; NCCL's watchdog
-    aborts the rank instead), so a desynchronised answer fails fast. Blocking send/recv ignore this timeout
-    on gloo: bound them with record_calls(bound_s=...).
-    ExerciseFailed (a forbidden call) is raised, not returned.
-    """
+    """fn(*args) under a `seconds` group timeout, so an unmatched collective fails fast: (result, None) or (None, e)."""
     with lowered_timeout(seconds):
         try:
             return fn(*args), None

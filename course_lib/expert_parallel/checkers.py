@@ -22,8 +22,7 @@ def _rows(pairs: list[tuple[int, list[float]]]) -> list[tuple[int, tuple[float, 
 
 
 def check_dispatch(fn: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """fn(tokens, expert_of_token, n_experts) -> (rows, expert_of_row): every token of every rank routed to
-    one of this rank's experts (rank r holds experts r·E/N ... (r+1)·E/N - 1), with its expert; any order."""
+    """fn(tokens, expert_of_token, n_experts) -> (rows, expert_of_row): every rank's tokens for this rank's experts."""
     rank, n = dist.get_rank(), dist.get_world_size()
     side = side_group()
     n_experts = 2 * n
@@ -85,8 +84,7 @@ _WRITE_THE_CUT = (
 
 
 def check_capacity_mask(fn: Callable[[torch.Tensor, int, int], torch.Tensor]) -> None:
-    """fn(experts, n_experts, cap) -> (T, k) bool mask of the assignments each expert takes: its first `cap`
-    assignments, all first choices (in token order) before any second choice, and so on."""
+    """fn(experts, n_experts, cap) -> (T, k) mask: each expert's first `cap` assignments, first choices first."""
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(random.SystemRandom().randrange(2**31))
     # token 1's first choice (expert 0) comes before token 0's second choice: in token order it would not

@@ -72,8 +72,7 @@ def torch_all_to_all(
 
 
 def all_to_all_bytes_by_kind(rec: comms.Recorder) -> dict[str, int]:
-    """Bytes this rank sent to the other ranks, by kind, read from a recorder around ExpertParallelMoE forwards
-    (and backwards): "counts", "dispatch", "combine", "combine backward", "dispatch backward", those that ran."""
+    """Bytes this rank sent to the others per all-to-all kind, from a recorder around ExpertParallelMoE passes."""
     order = {"forward": ("dispatch", "combine"), "backward": ("combine backward", "dispatch backward")}
     seen = {"forward": 0, "backward": 0}
     sent: dict[str, int] = {}

@@ -1,6 +1,5 @@
 """Notebook 11's lab: expert parallelism on paper (bytes, capacity, drops, imbalance), the kernel-side figures and
-explorer, and a short training run that shows the load balance with and without the auxiliary loss.
-"""
+explorer, and a short training run showing the load balance with and without the auxiliary loss."""
 
 from __future__ import annotations
 
@@ -62,8 +61,7 @@ def balanced_batch(tokens: int, n_experts: int, d_model: int) -> torch.Tensor:
 
 
 def draw_tokens_per_expert(routed: Sequence[torch.Tensor], kept: Sequence[torch.Tensor], cap: int) -> None:
-    """One panel per rank: the assignments its tokens route to each expert, kept (coloured by the rank
-    that holds the expert) and dropped (grey), with the capacity line."""
+    """Per rank: assignments to each expert, kept (coloured by holder rank) or dropped (grey), against capacity."""
     import matplotlib.pyplot as plt
 
     n, n_experts = len(routed), len(routed[0])
@@ -144,8 +142,7 @@ def draw_ep_explorer(n_experts: int, top_k: int, capacity_factor: float, skew: f
 
 
 def draw_dispatch(send_splits: Sequence[Sequence[int]]) -> None:
-    """The two all-to-alls as matrices: dispatch sends row i's tokens from rank i to rank j (its experts' rank);
-    combine sends the outputs back, the transpose. The diagonal stays home; the rest is what travels."""
+    """The two all-to-alls as rank-to-rank matrices (combine: the transpose); off the diagonal is what travels."""
     import matplotlib.pyplot as plt
 
     rows = torch.tensor([list(s) for s in send_splits])
@@ -165,8 +162,7 @@ def draw_dispatch(send_splits: Sequence[Sequence[int]]) -> None:
 
 
 def draw_ep_dp_mesh(grid: Sequence[Mapping]) -> None:
-    """The (dp, ep) mesh as run: each rank's experts; the all-to-alls run along a row (its ep group), the
-    experts' gradients are summed down a column (its dp group)."""
+    """The (dp, ep) mesh as run: all-to-alls along a row (ep), experts' gradients summed down a column (dp)."""
     import matplotlib.pyplot as plt
 
     rows, cols = (1 + max(g["coordinate"][i] for g in grid) for i in (0, 1))

@@ -20,8 +20,7 @@ from course_lib.models import MLP
 
 
 def _outer_case(seed: int, rank: int) -> tuple[torch.nn.Module, list[torch.Tensor], torch.optim.Optimizer]:
-    """This replica's model after its inner steps (the anchor plus a drift only this rank has), the anchor (the
-    weights of the last synchronisation, the same on every rank) and DiLoCo's outer optimizer over the anchor."""
+    """This replica's drifted model, the shared anchor (last synchronised weights) and DiLoCo's outer optimizer."""
     model = MLP(seed=seed % 1000)
     anchor = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
     drift = torch.Generator().manual_seed(seed + 7919 * (rank + 1))
@@ -40,8 +39,7 @@ def _mean_drift(seed: int, world_size: int) -> list[torch.Tensor]:
 
 
 def _expected_outer(seed: int, world_size: int, rounds: int) -> list[torch.Tensor]:
-    """The anchor after `rounds` outer steps: the mean pseudo-gradient, anchor - mean(anchor + drift_r), handed
-    to the same Nesterov SGD. Each round the replicas drift again from the new anchor by the same amounts."""
+    """Anchor after `rounds` outer steps: Nesterov SGD on the mean pseudo-gradient; the same drifts each round."""
     mean = _mean_drift(seed, world_size)
     _, anchor, outer = _outer_case(seed, 0)
     for _ in range(rounds):
@@ -52,8 +50,7 @@ def _expected_outer(seed: int, world_size: int, rounds: int) -> list[torch.Tenso
 
 
 def check_diloco_outer_step(diloco_outer_step: Callable[..., Any]) -> None:
-    """Exercise checker: diloco_outer_step(model, anchor, outer_optimizer) twice (the second shows momentum).
-    Model and anchor must hold the outer step's weights on every rank, for at most 4P bytes all-reduced per call."""
+    """Checker: two outer steps (the second shows momentum) agree on all ranks, all-reducing at most 4P bytes a call."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     secret: list[Any] = [random.Random().randrange(2**31) if rank == 0 else None]
     dist.broadcast_object_list(secret)
@@ -157,8 +154,7 @@ def _resume_views(base: Path, rank: int, world_size: int) -> list[tuple[str, Pat
 
 
 def check_agreed_resume_step(resume_step: Callable[[str], Any]) -> None:
-    """Exercise checker: every rank must return the step rank 0's newest complete checkpoint has (or None).
-    Each rank gets its own view of the directory, so a rank that decides alone resumes from another step."""
+    """Checker: each rank sees its own directory, so only agreeing on rank 0's newest complete step passes."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     with tempfile.TemporaryDirectory() as base:
         for what, root, expected in _resume_views(Path(base), rank, world_size):

@@ -6,8 +6,7 @@ from collections.abc import Sequence
 
 
 def draw_rendezvous_rounds(worlds: Sequence[int], steps: Sequence[tuple[int, int]]) -> None:
-    """One column per rendezvous round: which node's agent it admitted and the rank each worker got, the steps
-    that world trained, and what closed the round (node 1 joining, node 1 leaving)."""
+    """One column per rendezvous round: admitted agents and worker ranks, steps trained, and what closed the round."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import FancyBboxPatch
 
@@ -49,8 +48,7 @@ def draw_rendezvous_rounds(worlds: Sequence[int], steps: Sequence[tuple[int, int
 
 
 def draw_replica_groups(quorum: dict[int, int], killed_at: int, healed_at: int) -> None:
-    """Left: who talks to whom (lighthouse, managers, the quorum's all-reduce, healing from a peer). Right: the
-    quorum's size at every step of the run, the kill and the heal marked."""
+    """torchft's traffic (lighthouse, managers, all-reduce, healing), and the quorum's size at each step."""
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.2), gridspec_kw={"width_ratios": [3, 2]})

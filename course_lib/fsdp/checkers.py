@@ -1,6 +1,5 @@
-"""Notebook 03's exercises, checked on every rank: shard a parameter and its Adam state the way ZeroModel
-does; the fixed `reduce_gradient` of the diagnose exercise (this rank's shard of the averaged gradient).
-The solutions are in notebooks/solutions/03_fsdp2.py."""
+"""Notebook 03's exercises, checked on every rank: shard a parameter and its Adam state as ZeroModel does, and the
+fixed `reduce_gradient` (this rank's shard of the averaged gradient). Solutions: notebooks/solutions/03_fsdp2.py."""
 
 from __future__ import annotations
 
@@ -21,9 +20,7 @@ def _my_chunk(t: torch.Tensor) -> torch.Tensor:
 
 
 def check_shard_with_adam_state(fn: Callable[..., Sequence[torch.Tensor]]) -> None:
-    """fn(param, exp_avg, exp_avg_sq) -> this rank's flat tensor_split chunk of each, for shapes
-    whose element count is and is not divisible by N; then one Adam step on the shards must equal
-    the same step on the full tensor, sliced."""
+    """fn(param, exp_avg, exp_avg_sq) -> this rank's tensor_split chunks; Adam on them must match the full step."""
     rank, n = dist.get_rank(), dist.get_world_size()
     for shape in [(4 * n, 3), (2 * n + 1,), (5, 2 * n + 1), (n - 1 or 1, 1)]:
         gen = torch.Generator().manual_seed(sum(shape))
@@ -60,8 +57,7 @@ def check_shard_with_adam_state(fn: Callable[..., Sequence[torch.Tensor]]) -> No
 
 
 def check_reduce_gradient(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """fn(full_grad) -> this rank's tensor_split chunk of the gradient averaged over ranks (a reduce-scatter).
-    Gradients are seeded by rank, and sending more than halfway to an all-reduce's bytes is refused."""
+    """fn(full_grad) -> this rank's chunk of the averaged gradient; over half an all-reduce's bytes is refused."""
     rank, n = dist.get_rank(), dist.get_world_size()
     for shape in [(4 * n, 3), (2 * n, 5), (2 * n + 1,), (5, 2 * n + 1)]:
         grads = [torch.randn(shape, generator=torch.Generator().manual_seed(100 * r + sum(shape))) for r in range(n)]

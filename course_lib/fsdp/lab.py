@@ -22,8 +22,7 @@ def dataset() -> TensorDataset:
 
 
 def make_model() -> nn.Module:
-    """The notebook's MLP: 32 -> 45 -> 45 -> 7. Unit sizes 1485, 2070 and 322 elements: none
-    divisible by 4, the first not by 2, the last not by 3, so every N in 2, 3, 4 cuts unevenly."""
+    """The notebook's MLP, 32-45-45-7: units of 1485, 2070 and 322 elements shard unevenly for N = 2, 3, 4."""
     from course_lib.models import MLP
 
     return MLP(d_in=32, d_hidden=45, d_out=7, n_layers=2, seed=0)
@@ -40,8 +39,7 @@ def train(
     device: torch.device | str = "cpu",
     first_step: int = 0,
 ) -> list[float]:
-    """`steps` steps of :func:`course_lib.training.train` on the notebook's data; returns rank-local losses.
-    Global batch micro_batch x world_size, so world_size=1 is the reference run; `clip()` runs before each step."""
+    """Rank-local losses on the notebook's data; global batch micro_batch x N, so N=1 is the reference run."""
     return training.train(
         model,
         optimizer,
@@ -58,9 +56,7 @@ def train(
 
 
 def issue_order(model: nn.Module, units: dict[str, nn.Module], x: torch.Tensor, y: torch.Tensor) -> list[str]:
-    """What one step of an FSDP2 `model` issues on this rank, in order: "AG u" and "RS u" for each all-gather and
-    reduce-scatter of unit u (told apart by their bytes: every rank's padded shard of its parameters), and "F u"
-    where u's forward compute starts. `units`: {name: module}, disjoint (the root's by the modules it computes)."""
+    """One FSDP2 step's issue order: "AG u"/"RS u" per collective (u told by bytes), "F u" at forward."""
     from course_lib import comms
 
     def gathered_bytes(unit: nn.Module) -> int:  # N padded shards of each of its parameters
@@ -97,9 +93,7 @@ _PARTS = {"parameters": ("tab:blue", 3), "gradients": ("tab:orange", 2), "optimi
 
 
 def draw_zero_stages(world_size: int = 4) -> None:
-    """What each rank holds at ZeRO stages 0-3: for each rank a strip per part (parameters, gradients, optimizer
-    state) over the model's Ψ parameters, filled where the rank keeps them: the whole strip, or its 1/N slice
-    from the stage that shards that part on."""
+    """What each rank holds at ZeRO stages 0-3: params, grads, optimizer state, whole or 1/N once sharded."""
     import matplotlib.pyplot as plt
 
     n = world_size
@@ -160,9 +154,7 @@ def draw_prefetch_timeline(units: int = 3) -> None:
 
 
 def draw_hsdp_mesh(groups: list[dict[str, list[int]]], rows: list[tuple[str, int, int]]) -> None:
-    """The 2-D mesh as the ranks reported it: each rank placed by its shard group (a row of the grid) and its
-    place in it (a column); the shard groups boxed (all-gather, reduce-scatter), the replicate groups joined
-    (all-reduce of a shard); each rank labelled with the rows of 0.weight it holds."""
+    """The 2-D mesh as reported: shard groups boxed, replicate groups joined, each rank's rows of 0.weight."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import FancyBboxPatch
 

@@ -136,8 +136,7 @@ class _UnitFunction(torch.autograd.Function):
 
 
 class ZeroModel(nn.Module):
-    """ZeRO stage 0-3 data parallelism of `module`: every parameter-owning submodule becomes a
-    :class:`ShardedUnit`. Build the optimizer *after* wrapping, on ``ZeroModel.parameters()``."""
+    """ZeRO stage 0-3: a ShardedUnit per parameter owner; build the optimizer after, on ZeroModel.parameters()."""
 
     def __init__(self, module: nn.Module, stage: int = 3, group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
@@ -163,8 +162,7 @@ class ZeroModel(nn.Module):
         return self.module(*args, **kwargs)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """torch.nn.utils.clip_grad_norm_ for sharded gradients: each rank sums the squares of its
-        own shard, one all-reduce adds them up (the shards partition the model), same factor everywhere."""
+        """clip_grad_norm_ for sharded grads: one all-reduce of the shards' squares (they partition the model)."""
         grads = [u.shard.grad for u in self.units if u.shard.grad is not None]
         squares = torch.stack([g.double().pow(2).sum() for g in grads]).sum()
         if self.stage > 0:  # stage 0 holds the whole gradient already
@@ -176,8 +174,7 @@ class ZeroModel(nn.Module):
         return total_norm
 
     def full_state(self) -> dict[str, torch.Tensor]:
-        """Every unit's full parameters by their original names (all-gathers: call on every rank):
-        what compare.full_parameters gives for the model before wrapping."""
+        """Full parameters by original names, as compare.full_parameters; all-gathers, so call on every rank."""
         state = {}
         for unit_name, unit in self.module.named_modules():
             if isinstance(unit, ShardedUnit):

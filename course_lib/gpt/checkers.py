@@ -21,9 +21,7 @@ def _meshes(world: int) -> list[tuple[int, int, int]]:
 
 
 def check_embedding_group(fn: Callable[[DeviceMesh], dist.ProcessGroup | None]) -> None:
-    """fn(mesh) -> the group joining this rank's first-stage and last-stage copies of the tied table (same dp
-    and tp coordinates), or None on a middle stage, for (pp, dp, tp) meshes with pp from 2 to 4. The meshes and
-    the all-reduce that tries the group are on the rank's device."""
+    """fn(mesh) -> group of this rank's first- and last-stage tied-table copies (same dp, tp), None mid-pipe."""
     world, me = dist.get_world_size(), dist.get_rank()
     device = rank_device()
     for pp, dp, tp in [s for s in _meshes(world) if s[0] >= 2]:
@@ -50,9 +48,7 @@ def check_embedding_group(fn: Callable[[DeviceMesh], dist.ProcessGroup | None]) 
 
 
 def check_rows_on_mesh(fn: Callable) -> None:
-    """fn(mesh, tokens, seq, global_batch) -> a loader (text.ShardedBatches) whose batches(step) are this rank's
-    rows: the same on the tp ranks of a group, and the dp ranks' rows together the whole global batch. Every rank
-    builds every mesh before it reports its first wrong rows, so the ranks stay in step whichever of them is wrong."""
+    """fn(mesh, tokens, seq, global_batch) -> this rank's rows: same over tp, the global batch over dp."""
     world = dist.get_world_size()
     tokens = torch.arange(1000)  # every window is different
     wrong = [_wrong_rows(fn, pp, dp, tp, tokens) for pp, dp, tp in _meshes(world)]

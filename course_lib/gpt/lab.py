@@ -1,6 +1,5 @@
 """Notebook 15's lab: a layout's run as one %%torchrun cell runs it (train, measure, evaluate, sample), and the
-kernel's tables and figures.
-"""
+kernel's tables and figures."""
 
 from __future__ import annotations
 
@@ -119,8 +118,7 @@ def sample_text(model: GPT, prompts: list[str], n_new: int = 120, temperature: f
 def drift_tolerance(
     reference: list[float], twin: list[float], factor: float = 20.0, floor: float = 1e-5
 ) -> list[float]:
-    """How far a layout's loss may be from the one-process loss: `floor` + `factor` x the reorder drift so far.
-    Float32 amplifies reordered sums: the tolerance follows what reordering alone does, not the step count."""
+    """Allowed |loss - one-process loss|: floor + factor x reorder drift so far; float32 amplifies reordering."""
     envelope, out = 0.0, []
     for a, b in zip(reference, twin):
         envelope = max(envelope, abs(a - b))
@@ -160,8 +158,7 @@ def speed_table(summaries: list[dict[str, Any]]) -> str:
 
 
 def compiled_summary(eager: dict[str, Any], compiled: dict[str, Any]) -> str:
-    """One line: tokens/s and achieved / limit of an eager run and of its compiled twin, and the ratio of the latter.
-    Each run is held against the limit measured during it: on a shared machine tokens/s alone do not compare."""
+    """Eager vs compiled tokens/s and achieved/limit, each run against its own limit (the machine is shared)."""
     e, c = achieved(eager), achieved(compiled)
     return (
         f"{compiled['layout'].describe()}: tokens/s {e['tokens_per_s']:.0f} -> {c['tokens_per_s']:.0f}; "
@@ -170,8 +167,7 @@ def compiled_summary(eager: dict[str, Any], compiled: dict[str, Any]) -> str:
 
 
 def draw_layout_runs(summaries: list[dict[str, Any]], config: GPTConfig, global_batch: int) -> None:
-    """Three panels: the loss curves (every layout on the one-process curve), achieved against the limit, and
-    memory per rank and bytes per step, measured (bars) against the calculators (ticks)."""
+    """Per layout: loss over the one-process curve, achieved vs limit, memory and bytes vs the calculators."""
     import matplotlib.pyplot as plt
 
     fig, (curves, speed, cost) = plt.subplots(1, 3, figsize=(13, 3.4))
@@ -207,8 +203,7 @@ def _draw_costs(ax: Axes, summaries: list[dict[str, Any]], config: GPTConfig, gl
 
 
 def draw_layout_plan(config: GPTConfig, nproc: int = 2, global_batch: int = 16) -> None:
-    """The calculators for every layout of a model of `config`: memory per rank, bytes per rank and step,
-    and the step's FLOPs per rank (how many FLOPs each byte sent has to hide behind)."""
+    """Calculators per layout: memory per rank, bytes per step, and FLOPs per rank (what each byte hides behind)."""
     import matplotlib.pyplot as plt
 
     fig, (memory, traffic) = plt.subplots(1, 2, figsize=(10, 3))
@@ -230,8 +225,7 @@ def draw_layout_plan(config: GPTConfig, nproc: int = 2, global_batch: int = 16) 
 
 def draw_drift(reference: list[float], twin: list[float], runs: dict[str, dict[str, Any]],
                tolerance: list[float]) -> None:  # fmt: skip
-    """The largest |loss - one process's| so far, per step, log scale: the twin (reordered sums only), every
-    layout, and the tolerance."""
+    """Running max |loss - one process's| per step, log scale: the twin (reordering only), layouts, tolerance."""
     import matplotlib.pyplot as plt
 
     def envelope(steps: range, losses: list[float]) -> list[float]:

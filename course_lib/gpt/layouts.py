@@ -17,8 +17,7 @@ from course_lib.gpt.model import GPT, GPTConfig, pipeline_stage
 
 @dataclass(frozen=True)
 class Layout(Dims):
-    """A layout: its name and mesh sizes (pp, dp, tp: keywords); n_mb micro-batches per dp rank. On one rank
-    (NPROC = 1) every layout is the plain model: there is nothing to replicate or shard."""
+    """Name, mesh sizes (pp, dp, tp) and micro-batches per dp rank; on one rank every layout is the plain model."""
 
     name: str
     n_mb: int = 1
@@ -85,8 +84,7 @@ LR = 2e-3  # Adam's learning rate in every run
 
 
 def make_optimizer(model: nn.Module, lr: float = LR) -> torch.optim.Optimizer:
-    """Adam, one parameter group per DeviceMesh (FSDP2 x TP holds DTensors on two meshes: the blocks on
-    (dp, tp), the root on dp; a group never mixes them in one foreach kernel)."""
+    """Adam, a group per DeviceMesh: FSDP2 x TP puts blocks on (dp, tp), the root on dp; foreach can't mix them."""
     by_mesh: dict[object, list[nn.Parameter]] = {}
     for p in model.parameters():
         by_mesh.setdefault(getattr(p, "device_mesh", None), []).append(p)

@@ -12,8 +12,7 @@ from course_lib.models import TransformerBlock
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """The model's sizes. The defaults (0.4 M parameters) train for real in this notebook's budget on two CPU
-    cores; 128 wide with 8 heads of 16 splits over tp = 2 (and 4, 8)."""
+    """Model sizes: defaults (0.4 M params) train on two CPU cores in budget; 8 heads of 16 split over tp = 2, 4, 8."""
 
     vocab: int  # distinct characters of the text
     d_model: int = 128
@@ -28,8 +27,7 @@ class GPTConfig:
 
 
 def token_table(config: GPTConfig) -> torch.Tensor:
-    """The initial (vocab, d_model) table, N(0, 0.1²): start logits ~1.
-    GPT-2's 0.02 gives logits ~0.2, and a model this small then sits on the unigram plateau for tens of steps."""
+    """Initial table, N(0, 0.1²) for logits ~1: GPT-2's 0.02 stalls a model this small on the unigram plateau."""
     g = torch.Generator().manual_seed(config.seed)
     return torch.randn(config.vocab, config.d_model, generator=g) * 0.1
 
@@ -99,8 +97,7 @@ class GPT(nn.Module):
 
 
 def pipeline_stage(config: GPTConfig, stage: int, n_stages: int) -> GPT:
-    """Stage `stage` of `n_stages`: its contiguous blocks (compose.stage_blocks), the embeddings on the first
-    stage, the head on the last (which then holds its own copy of the token table)."""
+    """Stage `stage`: its blocks, embeddings on the first, head on the last (with its own tied-table copy)."""
     from course_lib.compose import stage_blocks
 
     blocks = stage_blocks(make_blocks(config), stage, n_stages)
@@ -123,8 +120,7 @@ def count_parameters(config: GPTConfig) -> dict[str, int]:
 
 
 def flops_per_token(config: GPTConfig) -> int:
-    """Training FLOPs per token: 6 x the matmul weights (forward 2, backward 4), plus attention's two
-    (seq x seq) products per layer, 12 * n_layers * d_model * seq (PaLM's count: not halved for the causal mask)."""
+    """Training FLOPs per token: 6 x matmul weights + 12·n_layers·d_model·seq attention (PaLM: causal not halved)."""
     c = config
     return 6 * count_parameters(c)["matmul"] + 12 * c.n_layers * c.d_model * c.seq
 

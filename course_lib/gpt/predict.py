@@ -19,9 +19,7 @@ ADAM_FP32 = (4, 4, 8)  # bytes per parameter: weight, gradient, Adam's two momen
 
 
 def parameter_shapes(layout: Layout, config: GPTConfig, stage: int = 0) -> list[tuple[int, ...]]:
-    """The shape of every parameter a rank of `stage` holds before data-parallel sharding: its blocks with
-    q, k, v and up split by output rows over tp (weights and biases), o and down by input columns (weights only:
-    their biases and the two norms stay whole), and its share of the token table, positions and final norm."""
+    """Shapes a `stage` rank holds before dp sharding: q, k, v, up split by rows over tp; o, down by columns."""
     d, f, tp = config.d_model, config.d_ff, layout.tp
     column = [(d // tp, d), (d // tp,)] * 3 + [(f // tp, d), (f // tp,)]  # q, k, v, up
     row = [(d, d // tp), (d,), (d, f // tp), (d,)]  # o, down
@@ -36,8 +34,7 @@ def parameter_shapes(layout: Layout, config: GPTConfig, stage: int = 0) -> list[
 
 
 def root_parameters(config: GPTConfig, stage: int = 0, stages: int = 1) -> int:
-    """Parameters outside the blocks held by `stage`: the token table (on the first stage, and a copy on the
-    last one), the positions (first), the final norm (last)."""
+    """Non-block parameters on `stage`: token table (first; copy on last), positions (first), final norm (last)."""
     first, last = stage == 0, stage == stages - 1
     table = config.vocab * config.d_model if first or last else 0
     return table + (config.seq * config.d_model if first else 0) + (2 * config.d_model if last else 0)
@@ -58,8 +55,7 @@ def predicted_memory(layout: Layout, config: GPTConfig, stage: int = 0) -> dict[
 
 
 def predicted_shard_bytes(layout: Layout, config: GPTConfig, stage: int, dp_rank: int) -> int:
-    """Bytes one rank holds exactly: fully_shard gives dp rank r rows of each parameter as torch.chunk does
-    (memory.fully_shard_numel), so the ranks' shares differ where the rows do not divide by dp."""
+    """Exact bytes per rank: fully_shard splits rows like torch.chunk, so shares differ where rows don't divide."""
     from course_lib.memory import fully_shard_numel
 
     shapes = parameter_shapes(layout, config, stage)

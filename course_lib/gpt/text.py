@@ -1,5 +1,5 @@
-"""The capstone's data: the course's own prose (course_text.txt, the notebooks' markdown at one commit), character
-tokens, and a loader per rank."""
+"""The capstone's data: the course's own prose as character tokens, and a loader per rank.
+course_text.txt holds the notebooks' markdown at one commit (SNAPSHOT_REV)."""
 
 from __future__ import annotations
 
@@ -126,8 +126,7 @@ def validation_windows(val: torch.Tensor, seq: int) -> tuple[torch.Tensor, torch
 
 
 def entropy_baselines(tokens: torch.Tensor) -> dict[str, float]:
-    """Nats per character of models that need no training (uniform, unigram, bigram), fitted on `tokens`.
-    A transformer whose validation loss is below the unigram entropy has learned to use context."""
+    """Nats per character of untrained models (uniform, unigram, bigram): loss below unigram means context is used."""
     counts = Counter(tokens.tolist())
     n = len(tokens)
     unigram = -sum(c / n * math.log(c / n) for c in counts.values())

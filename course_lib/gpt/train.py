@@ -28,16 +28,13 @@ def default_config(**changes: Any) -> GPTConfig:
 
 
 def loss_share(logits: torch.Tensor, targets: torch.Tensor, global_batch: int, dp: int) -> torch.Tensor:
-    """This dp rank's share of the global-batch loss, scaled for the gradient average over `dp` ranks: with
-    uneven shares (16 sequences over 3 ranks: 6, 5, 5) the average over dp is then exactly the global mean."""
+    """This dp rank's loss share, scaled so the dp gradient average is the global mean despite uneven shares."""
     return loss_fn(logits, targets) * (dp * len(logits) / global_batch)
 
 
 def plain_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: ShardedBatches, device: torch.device,
                layout: Layout) -> Callable[[int], torch.Tensor]:  # fmt: skip
-    """One process, DDP, FSDP2, FSDP2 x TP: forward, backward (in layout.n_mb micro-batches whose gradients
-    add up), step, on this rank's rows. Returns this rank's part of the global loss (on `device`): its share
-    over dp x tp (the tp ranks of a dp group hold the same share)."""
+    """Step for one process, DDP, FSDP2, FSDP2 x TP over n_mb micro-batches; returns this rank's share of the loss."""
 
     def step(s: int) -> torch.Tensor:
         x, y = batches(s)

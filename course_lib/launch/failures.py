@@ -1,10 +1,6 @@
-"""What a run returns (RunResult: its attempts, each rank's output and failures) and, when a rank failed, which, how
-and why: the errors a failing cell raises and the message they carry.
+"""What a run returns (RunResult) and, when a rank failed, which, how and why: the error a failing cell raises.
 
-A rank that raises leaves torchelastic's error file (the exception and the cell line); a rank that
-dies without raising (a signal, os._exit) leaves only traces in the agent's log and a pid without a
-`done` marker. The first failure is usually the root cause; its peers fail because they lost it.
-"""
+The first failure is usually the root cause; a rank that died without raising leaves only traces in the agent's log."""
 
 from __future__ import annotations
 
@@ -54,8 +50,7 @@ class RunResult:
 
 
 class RankFailedError(RuntimeError):
-    """One or more ranks of a `%%torchrun` cell or of a session's `%%px` cell failed; the message names them and the
-    failing line of the cell."""
+    """Ranks of a `%%torchrun` or `%%px` cell failed; the message names them and the cell's failing line."""
 
     def __init__(self, message: str, failures: list[RankFailure]):
         super().__init__(message)
@@ -73,8 +68,7 @@ class RunTimeoutError(RankFailedError, TimeoutError):
 
 
 def failure_from_error_file(rank: int, path: Path, cell_file: str) -> RankFailure:
-    """The exception a rank recorded in torchelastic's error file (worker.write_error_file), with its innermost
-    cell line."""
+    """The exception a rank recorded in torchelastic's error file, with its innermost cell line."""
     data = json.loads(path.read_text())["message"]
     callstack = data["extraInfo"]["py_callstack"]
     lines = [int(m) for m in re.findall(rf'File "{re.escape(cell_file)}", line (\d+)', callstack)]
@@ -91,8 +85,7 @@ def _signal_name(code: int) -> str:
 
 
 def exit_codes(agent_log: str) -> dict[int, int]:
-    """torchrun's failure summary, rank -> exit code ('rank : 1 (local_rank: 1)' followed by 'exitcode : -9'), the
-    root cause (torchrun's first observed failure) first. The one reader of that summary, for both magics."""
+    """rank -> exit code from torchrun's failure summary, root cause first; the one reader of it, for both magics."""
     root = agent_log.rfind("Root Cause")
     ordered = agent_log[root:] + agent_log[:root] if root >= 0 else agent_log
     codes: dict[int, int] = {}
@@ -107,12 +100,7 @@ def how_it_ended(code: int) -> str:
 
 
 def add_silent_deaths(attempts: list[Attempt], agent_log: str, run: RunDir) -> None:
-    """Name the ranks that died without raising: the likely root cause of their peers' errors.
-
-    Such a rank started (pid recorded) but left neither an error file nor a `done` marker, and
-    the agent did not stop it ('Sending process P closing signal SIGTERM'). The agent's
-    'failed (exitcode: -9) ... (pid: P)' line, when it saw that rank first, gives the signal.
-    """
+    """Name the ranks that died without raising (no error file, no `done`, not stopped): likely root causes."""
     stopped = {int(pid) for pid in re.findall(r"Sending process (\d+) closing signal", agent_log)}
     codes = {
         int(pid): int(code)
@@ -140,8 +128,7 @@ def add_silent_deaths(attempts: list[Attempt], agent_log: str, run: RunDir) -> N
 
 
 def running_ranks(run: RunDir, spec: RunSpec) -> list[int]:
-    """This node's ranks that had not finished the last attempt: a rank whose process had not yet started (a slow
-    start on a busy machine) is running too, as when no rank had started."""
+    """This node's ranks that had not finished the last attempt, ranks not yet started (a slow start) included."""
     ranks = range(spec.first_rank, spec.first_rank + spec.nproc)
     attempts = run.attempts()
     if not attempts:
@@ -180,11 +167,7 @@ def describe_failures(failures: list[RankFailure], cell_source: list[str]) -> st
 
 
 def failed_error(returncode: int, result: RunResult, cell_source: list[str], max_restarts: int = 0) -> RankFailedError:
-    """The error for a run whose agent exited with `returncode` != 0.
-
-    An agent that exits with restarts left, or with no rank failed, did not give up on the ranks: it failed itself
-    (a signal, an error of its own), and only its log says why, so the message ends with the log's last lines.
-    """
+    """The error for an agent exit `returncode` != 0; where the agent itself failed, it ends with its log's tail."""
     failures = final_failures(result.attempts, result.agent_log)
     tail = "\n".join(result.agent_log.strip().splitlines()[-15:])
     used = len(result.attempts) - 1

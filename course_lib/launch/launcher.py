@@ -1,11 +1,6 @@
-"""Run a piece of code on N ranks under the real torchrun, from a notebook or a test.
+"""Run code on N ranks under the real torchrun, from a notebook or a test; every process is ended before launch returns.
 
-:func:`launch` checks the request once (a :class:`~course_lib.launch.spec.RunSpec`), writes the
-cell and the spec into a fresh run directory, starts torchrun with the worker on every rank, and
-waits. Whatever happens, every process of the run is ended before it returns (processes.py); then
-the ranks' output is printed (read here from torchrun's per-rank logs or its --tee stream, by the kernel, so it
-reaches the notebook under nbval too) and a failing rank becomes an exception naming it (failures.py).
-"""
+The kernel reads the ranks' output from torchrun's logs or --tee stream, so it reaches the notebook under nbval too."""
 
 from __future__ import annotations
 
@@ -146,13 +141,7 @@ def launch(
     write: Write = print_to_notebook,
     **options: Any,
 ) -> RunResult:
-    """Run `body` on `nproc` ranks per node; raise RankFailedError if any rank fails.
-
-    `push` maps names to values the ranks receive before the body runs. `options` are the other
-    fields of RunSpec: backend, timeout, out (names whose values come back as
-    ``result.values[name][rank]``), stream, init, max_restarts, nnodes, node_rank, rdzv_endpoint,
-    rdzv_backend, rdzv_id, env. `write(text, "stdout" | "stderr")` receives the ranks' output.
-    """
+    """Run `body` on `nproc` ranks per node (`options`: RunSpec's fields); raise RankFailedError if any rank fails."""
     push = dict(push or {})
     spec = RunSpec.create(nproc=nproc, push=tuple(push), **options)
     return run_cell(spec, body, push, write)

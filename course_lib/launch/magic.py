@@ -1,12 +1,6 @@
 """The `%%torchrun` cell magic: the cell body runs on N ranks under torchrun.
 
-    %%torchrun -n $NPROC --backend $BACKEND --out loss
-    loss = train_one_step(rank)
-
-The flags are defined here, once, with their help (`%%torchrun?` shows it). They arrive as text
-and go unchecked into RunSpec.create, which checks and converts them; a flag left out takes the
-spec's default. The run itself is launcher.run_cell's.
-"""
+The flags are defined here once, with their help, and go as text to RunSpec.create, the one place that checks them."""
 
 from __future__ import annotations
 
@@ -75,13 +69,7 @@ class TorchrunMagics(Magics):
     @argument("--rdzv-id", metavar="ID", help=_RDZV_HELP)
     @cell_magic
     def torchrun(self, line: str, cell: str) -> None:
-        """Run the cell on N ranks, each a fresh process started by the real torchrun.
-
-        With the default init, the body sees `torch`, `dist`, `rank`, `world_size`, `local_rank`
-        and `device`, and the process group is destroyed after it. Output comes back grouped by
-        rank; `--out` values become notebook variables; a failing rank raises RankFailedError.
-        Notebook variables expand in the flags: `-n $NPROC`.
-        """
+        """Run the cell on N fresh ranks under torchrun, with torch, dist, rank, world_size, local_rank and device."""
         shell = self.shell
         assert shell is not None, "the magic is registered by load_ext, which sets the shell"
         flags = parse_flags(line)

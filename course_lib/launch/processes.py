@@ -1,10 +1,6 @@
 """The processes of a run: the torchrun agent the kernel starts, and the ranks the agent starts.
 
-The kernel owns every process it starts: on success, failure, timeout, interrupt or its own exit,
-nothing of a run is left alive. Processes are ended by their recorded pid or process group, never
-by name. The agent runs in a session of its own and dies with the kernel (PR_SET_PDEATHSIG); each
-rank records its pid in the run directory and dies with the agent (see worker.die_with_parent).
-"""
+Nothing of a run outlives it: each dies with its parent and is ended by recorded pid or process group, never by name."""
 
 from __future__ import annotations
 
@@ -50,11 +46,7 @@ def torchrun_command(spec: RunSpec, run: RunDir, program: str = WORKER) -> list[
 
 
 def agent_env(spec: RunSpec) -> dict[str, str]:
-    """The kernel's environment, with the spec's extra variables and what the ranks need.
-
-    gloo ranks see no GPU: on a GPU node they run as on a laptop (FSDP2 and DeviceMesh would
-    otherwise follow the accelerator and move them onto GPUs). TF32 stays off in every rank.
-    """
+    """The ranks' environment: gloo ranks see no GPU (FSDP2 and DeviceMesh would follow it onto one), TF32 off."""
     hidden = {"CUDA_VISIBLE_DEVICES": ""} if spec.backend == "gloo" else {}
     env = {**os.environ, **hidden, **spec.env}
     env.pop("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", None)
@@ -72,9 +64,7 @@ def agent_env(spec: RunSpec) -> dict[str, str]:
 
 
 def torchrun_env(nproc: int, backend: str = "auto") -> dict[str, str]:
-    """The environment a `%%torchrun -n NPROC --backend BACKEND` cell gives torchrun (agent_env), for a torchrun
-    started by other means, such as a subprocess: on a GPU node gloo ranks see no GPU and NCCL ranks the node's,
-    with no TF32 override in either; OMP threads shared out over the ranks; rank-prefixed lines under --tee."""
+    """agent_env of a `%%torchrun -n NPROC --backend BACKEND` cell, for a torchrun started by other means."""
     return agent_env(RunSpec.create(nproc=nproc, backend=backend))
 
 
@@ -93,10 +83,7 @@ def start_agent(spec: RunSpec, run: RunDir) -> subprocess.Popen:
 
 
 def die_with_kernel() -> None:
-    """In a process the kernel starts (an agent, a controller), before exec: SIGTERM when the kernel dies.
-
-    SIGTERM, so a torchrun agent stops its workers; even a kernel killed by SIGKILL sends it.
-    """
+    """Before exec in a child of the kernel: SIGTERM when the kernel dies (even by SIGKILL), so torchrun stops ranks."""
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -104,8 +91,7 @@ def die_with_kernel() -> None:
 
 
 def running(pids: Iterable[int], naming: str | Path | None = None) -> list[int]:
-    """Those of `pids` whose process runs (a zombie counts as gone) and, given `naming`, whose command line
-    names it: a run's folder, so a recorded pid that now belongs to another process does not count."""
+    """Those of `pids` still running (zombies gone) whose command line names `naming`: a reused pid is not counted."""
     import psutil
 
     alive = []
@@ -149,10 +135,7 @@ def _end_all_runs() -> None:
 
 
 def pump(proc: subprocess.Popen, deadline: float, on_line: Callable[[str, str], None]) -> bool:
-    """Pass each line of the agent's pipes to `on_line(line, "stdout" | "stderr")` until it exits.
-
-    True if the monotonic `deadline` passed first (the agent is then still running).
-    """
+    """Pass the agent's output lines to `on_line` until it exits; True if the monotonic `deadline` passed first."""
     assert proc.stdout is not None and proc.stderr is not None, "start_agent pipes both"
     selector = selectors.DefaultSelector()
     for pipe, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):

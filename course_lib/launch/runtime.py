@@ -1,9 +1,6 @@
 """Inside a rank: process-group set-up and tear-down, device choice, seeding.
 
-Everything a `%%torchrun` cell gets before its body runs comes from here, so a
-script saved with `--save` (or written by hand for a cluster) does the same by
-calling :func:`init_distributed` and :func:`shutdown`.
-"""
+A `%%torchrun` cell gets all of it from here, so a `--save`d script does the same via init_distributed and shutdown."""
 
 from __future__ import annotations
 
@@ -69,15 +66,8 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0, seed: int 
 
 
 def fp32_in_ieee() -> None:
-    """float32 matmuls and cuDNN convolutions on CUDA in IEEE float32, not TF32 (a no-op on the CPU's kernels).
-
-    Through the two setters that change torch's legacy TF32 flags and its fp32_precision ones together, so that
-    both read alike. `TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1` (set in NGC containers) turns the legacy matmul flag on
-    when torch loads; `torch.backends.cuda.matmul.fp32_precision = "ieee"` alone then leaves the two disagreeing,
-    and every float32 cuBLAS matmul, which asks `allowTF32CuBLAS()`, raises on the mix. `cudnn.fp32_precision =
-    "ieee"` alone leaves `torch.backends.cudnn.allow_tf32` unreadable the same way. The ranks the course starts
-    run without the variable (`processes.agent_env`); a kernel or a job started by other means may have it.
-    """
+    """float32 CUDA matmuls and cuDNN convolutions in IEEE float32, not TF32 (a no-op on the CPU).
+    These setters keep legacy and fp32_precision flags alike: fp32_precision alone raises under NGC's TF32 override."""
     torch.set_float32_matmul_precision("highest")
     torch.backends.cudnn.allow_tf32 = False
 
@@ -90,9 +80,7 @@ def rank_device() -> torch.device:
 
 
 def synchronize(device: torch.device | str | None = None) -> None:
-    """Wait until `device`'s queued kernels have run (this process's current CUDA device if None, once CUDA is in
-    use). CUDA calls return before their kernels finish, so a clock read without this times the launch only; on the
-    CPU an op has finished when it returns, and this does nothing."""
+    """Wait for `device`'s queued kernels (current CUDA device if None): else a clock read times only the launch."""
     if device is None:
         in_use = torch.cuda.is_available() and torch.cuda.is_initialized()
         device = torch.device("cuda", torch.cuda.current_device()) if in_use else torch.device("cpu")
@@ -107,13 +95,7 @@ def seconds_in_turns(
     warmup: int = 3,
     statistic: Callable[[list[float]], float] = min,
 ) -> dict[str, float]:
-    """The wall time of each step function, measured in turns (a, b, c, a, b, c, ...): `statistic` of the
-    `repeats` turns after the first `warmup`, the fastest by default.
-
-    Taking turns puts every variant under the same load; the fastest of many steps is the one the machine
-    disturbed least, so their ratio means something on a busy machine even when their absolute times do not.
-    The clock is read with the device idle (synchronize), so a step's time covers its kernels, not their launch.
-    """
+    """Each step's wall time, run in turns (a, b, c, a, ...) under the same load: `statistic` (fastest) of `repeats`."""
     times: dict[str, list[float]] = {name: [] for name in steps}
     for turn in range(warmup + repeats):
         for name, step in steps.items():
@@ -128,9 +110,7 @@ def seconds_in_turns(
 
 @contextmanager
 def fake_rank(rank: int, world_size: int) -> Iterator[None]:
-    """This process as rank `rank` of a `world_size`-rank job on torch's fake backend, whose collectives return at
-    once and move nothing (torchtitan's dry runs): what a rank builds and which calls it makes, without the ranks.
-    Torn down on exit."""
+    """Be rank `rank` of `world_size` on torch's fake backend (collectives move nothing): what a rank builds."""
     from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
     from torch.testing._internal.distributed.fake_pg import FakeStore  # where torchtitan's dry runs take it from
@@ -163,12 +143,7 @@ def seed_everything(seed: int) -> None:
 
 
 def shutdown() -> None:
-    """Destroy the process group if the cell left one behind.
-
-    Unreachable objects that still hold work on the group (futures of DDP communication hooks,
-    PowerSGD state: reference cycles) are collected first: freed after the group is gone, at
-    interpreter exit, they abort the process.
-    """
+    """Destroy a leftover process group, collecting cycles that hold work on it first (freed at exit, they abort)."""
     import gc
 
     gc.collect()

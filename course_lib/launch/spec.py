@@ -1,12 +1,6 @@
-"""One run, described once, the directory the kernel and the ranks share, and the backend a run of N ranks uses.
+"""One run described once (RunSpec), the directory the kernel and the ranks share (RunDir), and the backend of N ranks.
 
-:class:`RunSpec` is what a `%%torchrun` line or a `launch()` call asks for. :meth:`RunSpec.create`
-is the only place that checks and converts a request; the kernel writes the spec into the run
-directory and every rank reads it back with the same code. :class:`RunDir` names every file of
-that directory, so neither side spells a file name of its own.
-
-Importing this module does not import torch (a rank reads its spec before recording its pid).
-"""
+RunSpec.create is the one place a request is checked; no torch import here (a rank reads its spec before its pid)."""
 
 from __future__ import annotations
 
@@ -40,9 +34,7 @@ def available_gpus() -> int:
 
 
 def visible_gpu(index: int) -> str:
-    """The name CUDA_VISIBLE_DEVICES gives the `index`-th GPU this process sees, for a child that should see only
-    that one: the index-th entry of an inherited CUDA_VISIBLE_DEVICES (a SLURM job's share of a node: "4,5,6,7"
-    makes GPU 1 "5"; UUIDs stay UUIDs), else the index itself."""
+    """CUDA_VISIBLE_DEVICES of a child seeing only our `index`-th GPU: an inherited list's entry (SLURM) or `index`."""
     inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
     if inherited is None:
         return str(index)
@@ -72,19 +64,12 @@ def resolve_backend(requested: str = "auto", nproc: int | None = None) -> str:
 
 
 def backend_for(nproc: int, requested: str = "auto") -> str:
-    """The backend of a cell of `nproc` ranks in a notebook run with BACKEND=`requested`.
-
-    A notebook's own world sizes (a partner for rank 0, a 4-rank grid) may exceed the GPUs that
-    NPROC fits: such a cell runs on CPU processes rather than ask nccl for GPUs that are not there.
-    """
+    """The backend of an `nproc`-rank cell under BACKEND=`requested`: gloo where the GPUs cannot hold `nproc` ranks."""
     return "gloo" if requested == "gloo" else resolve_backend("auto", nproc)
 
 
 def describe_backend(backend: str, nproc: int, init: bool = True) -> str:
-    """One line saying what a run got, on a machine with GPUs ('' without: there gloo is the only choice).
-
-    `init=False` (`--no-init`): no process group is made, so no backend either: the line says which GPUs the ranks
-    see, and the cell decides what to use (RPC's cells in notebook 12 use none)."""
+    """One line saying what a run got on a GPU machine ('' without GPUs, where gloo is the only choice)."""
     gpus = available_gpus()
     if not gpus:
         return ""
@@ -120,10 +105,7 @@ class RunSpec:
 
     @classmethod
     def create(cls, **request: Any) -> RunSpec:
-        """The spec for `request` (field names; values as typed in a magic line or passed to launch()).
-
-        Raises LaunchError, naming the flag and what it takes, for anything that cannot run.
-        """
+        """The checked spec for `request`; LaunchError, naming the flag and what it takes, if it cannot run."""
         unknown = sorted(set(request) - {f.name for f in fields(cls)})
         if unknown:
             raise TypeError(
@@ -161,8 +143,7 @@ class RunSpec:
 
     @property
     def pg_timeout_s(self) -> float:
-        """The process group gives up a little before the wall clock, so a stuck collective
-        surfaces as an error naming it rather than as a kill."""
+        """A little under the wall clock, so a stuck collective surfaces as an error naming it rather than as a kill."""
         return max(5.0, self.timeout - 10.0) if self.timeout > 20 else max(1.0, self.timeout * 0.8)
 
     def write(self, run: RunDir) -> None:
@@ -215,17 +196,7 @@ def _text(value: object) -> str | None:
 
 
 class RunDir:
-    """The files of one run (a `%%torchrun` cell, or a session: session.processes.SessionDir adds its own).
-    The kernel writes the first three; torchrun and the ranks the rest (worker.start_rank records a rank).
-
-    cell.py                     the cell body (tracebacks name it; shown as <torchrun cell>)
-    spec.json                   the RunSpec
-    push.pt                     the --push values (torch.save)
-    logs/<id>/attempt_N/L/      torchrun's stdout.log, stderr.log, error.json of local rank L
-    ranks/attempt_N/R.pid       rank R's pid (how the launcher ends it); R.done: it finished the cell
-    ranks/attempt_N/local_L     the global rank of local rank L (torchrun names log folders by local rank)
-    out/R.pt                    rank R's --out values
-    """
+    """The files of one run (a cell's, or a session's: SessionDir), named here so kernel and ranks spell no path."""
 
     PREFIX = "torchrun-cell-"  # of the temporary folder create() makes
 

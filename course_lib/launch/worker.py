@@ -1,13 +1,6 @@
-"""The program torchrun starts on every rank of a `%%torchrun` cell, and the same as a script.
+"""What torchrun starts on every rank of a `%%torchrun` cell (`--module course_lib.launch.worker RUN_DIR`).
 
-    python -m torch.distributed.run ... --module course_lib.launch.worker RUN_DIR
-
-RUN_DIR (a :class:`~course_lib.launch.spec.RunDir`, written by the launcher) holds the spec, the
-cell body and the pushed values. This process records its pid so the launcher can end it, dies with
-its torchrun agent, runs the body, and leaves behind the `--out` values, a `done` marker, or a
-torchelastic error file. launcher.standalone_script writes what it does for a cell as a script that
-plain torchrun runs (`%%torchrun --save`): change both together.
-"""
+launcher.standalone_script writes the same steps as a script for plain torchrun (`--save`): change both together."""
 
 from __future__ import annotations
 
@@ -23,11 +16,7 @@ from course_lib.launch.spec import RunDir, RunSpec
 
 
 def die_with_parent() -> None:
-    """End this rank when its torchrun agent dies, even by SIGKILL.
-
-    torchrun starts workers in their own session, so nothing else would.
-    Linux: the kernel sends SIGKILL (prctl PR_SET_PDEATHSIG). Elsewhere: poll.
-    """
+    """End this rank when its torchrun agent dies, even by SIGKILL: torchrun starts workers in their own session."""
     parent = os.getppid()
     if sys.platform.startswith("linux"):
         import ctypes
@@ -73,10 +62,7 @@ class MissingOutError(NameError):
 
 
 def start_rank(run: RunDir) -> tuple[int, int, int]:
-    """What every rank does first (a cell's worker, a session's engine): die with its agent, record its pid.
-
-    Returns (attempt, rank, local_rank), from torchrun's environment.
-    """
+    """A rank's first steps (a cell's worker, a session's engine): die with its agent, record its pid."""
     die_with_parent()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
@@ -146,12 +132,7 @@ def record_and_exit(exc: BaseException, cell_file: str) -> None:
 
 
 def write_error_file(exc: BaseException, path: str | None) -> None:
-    """torchelastic's error file for `exc` (what ErrorHandler.record_exception writes), whole or not at all.
-
-    Once one rank fails, the agent stops the others and reads the error file of each: a file cut short by
-    that stop (a peer that lost the failed rank, caught writing its own error) makes the agent raise instead
-    of restarting the group. So the file is written beside its name and renamed into place.
-    """
+    """torchelastic's error file for `exc`, written aside and renamed: a cut-short file makes the agent raise."""
     import json
     import traceback
 

@@ -1,17 +1,6 @@
 """course_lib.pipeline (notebook 09): pipeline parallelism from scratch.
 
-A model is cut into *stages* (stages.py), one per rank, or several per rank ("virtual stages", for the
-interleaved schedule). A batch is cut into *micro-batches*. A *schedule* is, for every rank, an
-explicit list of actions ``Action("F" or "B", microbatch, stage)`` (schedules.py; zero-bubble schedules add "W",
-the weight gradient of a backward split in two: stages.py); :func:`simulate`
-computes its ideal timeline or finds its deadlock without running anything (timeline.py), and
-:func:`execute` runs it with point-to-point send/recv (execution.py). lab.py holds one training
-step, ours and torch.distributed.pipelining's, against single-process training; torch's two-stages-per-rank
-schedules (zero bubble, DualPipeV, looped BFS) and their action lists as ours; the Gantt chart and the schedule
-explorer; checkers.py the exercises' checkers
-(solutions: notebooks/solutions/09_pipeline_parallel.py). The names below are those the notebook, tests and
-benchmark use.
-"""
+A schedule is an explicit action list per rank, so it can be simulated (timeline) before it runs (execution)."""
 
 from course_lib.pipeline.checkers import check_one_f_one_b, check_pipeline_step
 from course_lib.pipeline.execution import execute, naive_model_parallel, run_action
@@ -34,7 +23,6 @@ from course_lib.pipeline.schedules import (
     ZERO_BUBBLE,
     Action,
     Overlapped,
-    Unit,
     actions_of,
     dualpipev_bubble,
     gpipe_actions,

@@ -1,8 +1,6 @@
-"""The exercises of notebook 09, checked on the ranks: a 1F1B action list judged by its properties, a pipeline step
-that must not deadlock.
+"""Notebook 09's exercise checkers: a 1F1B list judged by its properties, a pipeline step that must not deadlock.
 
-The solutions are in notebooks/solutions/09_pipeline_parallel.py, not here.
-"""
+The solutions are in notebooks/solutions/09_pipeline_parallel.py, not here."""
 
 from __future__ import annotations
 
@@ -51,8 +49,7 @@ def _short(actions: Sequence[Action]) -> str:
 
 
 def _library_schedules() -> dict[str, Callable[..., Any]]:
-    """The schedule generators exercise 2 refuses to see called: the course's, and torch's 1F1B orders (its
-    interleaved generator with one stage per rank is 1F1B)."""
+    """The schedule generators exercise 2 refuses to see called, torch's 1F1B orders included."""
     from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleInterleaved1F1B, _get_1f1b_rank_ops
 
     return {
@@ -67,16 +64,7 @@ def _library_schedules() -> dict[str, Callable[..., Any]]:
 
 
 def check_one_f_one_b(fn: Callable[[int, int, int], Any]) -> None:
-    """fn(stage, n_stages, n_microbatches) -> a 1F1B list of ("F"|"B", microbatch) for that stage.
-
-    Judged by 1F1B's properties, not by one order: for secret numbers of micro-batches (drawn on rank 0
-    at every call) every stage's list must hold each F and B once, run together without deadlock
-    (simulated), keep at most min(p - s, m) micro-batches' activations on stage s, and have no more bubble
-    than (p-1)/(m+p-1) (t_b = 2 t_f). The calls fn makes into the course's schedule generators (and torch's
-    1F1B order) are recorded and refused. Every rank builds all lists (pure functions) and reaches the same
-    verdict; only the rank of the faulty stage raises. Then the lists run for real on the ranks with secret
-    data, against single-process gradients.
-    """
+    """Judges fn's 1F1B lists by properties (complete, no deadlock, memory, bubble) for secret m, then runs them."""
     rank, p = dist.get_rank(), dist.get_world_size()
     secret: list[Any] = [None, None]
     if rank == 0:
@@ -166,13 +154,7 @@ def _run_and_compare(actions: Sequence[Action], p: int, m: int, seed: int) -> No
 
 
 def check_pipeline_step(fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], Any]) -> None:
-    """fn(stage_module, x, y) -> the loss on the last rank (None elsewhere): naive model parallelism, one batch.
-
-    Rank k holds stage k of a seeded 64-wide MLP; only rank 0 has the real input and only the last rank the
-    real target (the others get NaN of the same shape), so the step cannot be done without the messages. A rank
-    that waits in recv for more than DEADLOCK_S seconds fails with "deadlock". The loss and every
-    stage's gradients must equal single-process training.
-    """
+    """Checks naive model parallelism against one process; only messages carry input and target, a stuck recv fails."""
     rank, p = dist.get_rank(), dist.get_world_size()
     in_step = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=DEADLOCK_S))  # the ranks, per batch
     for seed, batch in ((3, 8), (4, 5)):

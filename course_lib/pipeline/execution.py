@@ -1,9 +1,6 @@
 """Running a schedule for real: each rank takes its actions in order, sending activations and gradients.
 
-Everything here is plain torch.distributed: activations travel forward with ``isend`` and their
-gradients travel back the same way; a rank only ever blocks in ``recv``, waiting for data that some
-earlier action of another rank produces.
-"""
+Sends are ``isend``; a rank only blocks in ``recv``, for data that another rank's earlier action produces."""
 
 from __future__ import annotations
 
@@ -33,14 +30,7 @@ _MESSAGE_GROUPS: dict[str, dist.ProcessGroup] = {}
 
 
 def message_group() -> dist.ProcessGroup | None:
-    """The group :func:`execute` sends through: the default group when it is gloo, else a gloo group of all ranks.
-
-    NCCL runs a rank's sends and receives with one peer in order on one stream, so
-    "send F to the next rank, then receive B from it" on both sides of a pair can wait
-    on each other (production schedules batch such pairs); gloo matches each message by
-    its tag instead. Under NCCL the gloo group is created on the first call, which every
-    rank must therefore make.
-    """
+    """Gloo group for :func:`execute` (NCCL's in-order peer streams deadlock crossed pairs); 1st call is collective."""
     if dist.get_backend() == "gloo":
         return None
     if "gloo" not in _MESSAGE_GROUPS:
@@ -67,21 +57,7 @@ def execute(
     min_seconds: dict[str, float] | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> RunRecord:
-    """Run this rank's `actions` over its stage `modules` ({stage: module}); gradients accumulate in them.
-
-    inputs/targets: the micro-batches (used by the first/last stage). Every
-    activation between stages has `activation_shape`. Each micro-batch's loss
-    is divided by the number of micro-batches, so the gradients equal those of
-    the mean loss over the whole batch. `stage_ranks[s % p]` is the global rank
-    holding stage s (default: rank s % p). `min_seconds` pads each action
-    to a fixed duration ({"F": ..., "B": ..., "W": ...}), as if every rank had its own device.
-    A micro-batch's B whose W is also in the list computes only the input gradient, and
-    W the weight gradients (stages.py); its activations are kept until W.
-    An event lasts until the rank has the result in hand (a late wake-up counts as busy).
-    Event times are seconds of time.perf_counter(), a clock all processes of one
-    machine share, so the ranks' timelines line up. Messages go through `group`
-    (default: :func:`message_group`), as CPU tensors unless it is the default group.
-    """
+    """Runs this rank's actions on its stages; losses scaled by 1/m so the gradients are those of the batch mean."""
     stage_ranks = list(stage_ranks) if stage_ranks is not None else list(range(dist.get_world_size()))
     n_ranks, m = len(stage_ranks), len(inputs)
     device = next(next(iter(modules.values())).parameters()).device
@@ -183,11 +159,7 @@ def naive_model_parallel(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     activation_shape: Sequence[int],
 ) -> float | None:
-    """Naive model parallelism: rank k holds stage k; the whole batch goes forward rank by rank, then back.
-
-    Returns the loss on the last rank (None elsewhere); gradients accumulate in
-    `stage_module`. While one rank computes, every other rank waits in recv.
-    """
+    """Naive model parallelism: the whole batch forward rank by rank, then back, every other rank waiting in recv."""
     rank, world = dist.get_rank(), dist.get_world_size()
     first, last = rank == 0, rank == world - 1
     # forward: receive the activation from the previous rank, compute, pass it on

@@ -1,6 +1,5 @@
 """Notebook 09's lab: one training step, ours and torch.distributed.pipelining's, against single-process
-training; torch's newer schedules as the course's actions; the Gantt chart and the schedule explorer.
-"""
+training; torch's newer schedules as the course's actions; the Gantt chart and the schedule explorer."""
 
 from __future__ import annotations
 
@@ -107,8 +106,7 @@ def build_schedule(
 def run_torch_step(
     runner: Any, modules: Mapping[int, nn.Module], n_stages: int, x: torch.Tensor, y: torch.Tensor
 ) -> list[float]:
-    """One step of a torch schedule on this rank: the batch goes in where stage 0 lives, the targets where the last
-    stage lives, which also gets the micro-batch losses back (the others get [])."""
+    """One torch schedule step: inputs where stage 0 lives, targets and losses where the last lives ([] elsewhere)."""
     losses: list[torch.Tensor] = []
     holds_last = n_stages - 1 in modules
     args = (x,) if 0 in modules else ()
@@ -127,20 +125,14 @@ V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")  # the model goes down
 
 
 def stages_of_rank(schedule: str, rank: int, n_ranks: int) -> list[int]:
-    """The stages rank `rank` holds in torch's `schedule`: its own (GPipe, 1F1B), two looped (r and r + p) or, for
-    V-shaped schedules, r and 2p - 1 - r."""
+    """Stages a rank holds in torch's `schedule`: r (GPipe, 1F1B), r and r + p (looped) or r and 2p - 1 - r (V)."""
     if schedule in ("ScheduleGPipe", "Schedule1F1B"):
         return [rank]
     return [rank, 2 * n_ranks - 1 - rank] if schedule in V_SHAPED else [rank, rank + n_ranks]
 
 
 def course_actions(pipeline_order: Mapping[int, Sequence[Any]]) -> dict[int, list[Unit]]:
-    """torch's compute actions as the course's: F is F, I (input gradient) is B, W is W, a full backward B.
-
-    DualPipeV's overlapped F&B (OVERLAP_F_B) stays one unit, :class:`Overlapped`: torch sends
-    its results after the whole pair, so neither half's output leaves early. Idle slots (None) and what is
-    not compute (REDUCE_GRAD, which a step adds to the order) are dropped.
-    """
+    """torch's compute actions as the course's (I is B); DualPipeV's F&B stays one unit, torch sends after both."""
 
     def convert(a: Any) -> Action:  # a B without a W of its own is a full backward (simulate, execute)
         kind = a.computation_type.value
@@ -173,8 +165,7 @@ def torch_schedule_step(
     model: nn.Sequential | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> tuple[list[float], dict[int, nn.Sequential], dict[int, list[Unit]]]:
-    """One step of torch's `schedule` (its class name, or the course's name of the same schedule) on this rank:
-    (losses on the rank holding the last stage, its stage modules, every rank's actions as the course's)."""
+    """One step of torch's `schedule`: losses (last stage's rank), this rank's stage modules, every rank's actions."""
     schedule = TORCH_NAMES.get(schedule, schedule)
     rank, p = dist.get_rank(group), dist.get_world_size(group)
     n_stages = p * len(stages_of_rank(schedule, rank, p))
@@ -208,8 +199,7 @@ def plot_timeline(ax: Any, events: Sequence[Event], n_ranks: int, title: str = "
 def draw_schedule(
     schedule: str, stages: int, microbatches: int, measured: dict[tuple[str, int, int], list[Event]] | None = None
 ) -> None:
-    """Left: the ideal timeline of `schedule` (t_f = 10, t_b = 20, t_w = 10 ms), its bubble and the micro-batches rank 0
-    holds. Right: the measured timeline of the same (schedule, stages, microbatches), if `measured` has it (seconds)."""
+    """Ideal timeline of `schedule` (t_f = 10, t_b = 20, t_w = 10 ms) and its bubble, beside the measured one if any."""
     import matplotlib.pyplot as plt
 
     v = 2 if schedule == "interleaved 1F1B" else 1
@@ -235,9 +225,7 @@ def draw_schedule(
 
 
 def draw_v_placement(n_ranks: int = 4, n_microbatches: int = 8) -> None:
-    """torch's zero-bubble schedules with two stages per rank, simulated (t_F = t_B = t_W): looped placement (rank r
-    holds r and r + p) against the V (r and 2p - 1 - r). The black line follows micro-batch 0's forward through the
-    stages: down the ranks and down again, or down and back up."""
+    """torch's two-stages-per-rank zero-bubble schedules, looped against V placement, micro-batch 0's forward traced."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 1, figsize=(10, 1.4 + 0.9 * n_ranks), sharex=True)

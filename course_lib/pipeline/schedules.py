@@ -1,10 +1,6 @@
-"""Pipeline schedules on paper: for every rank, the ordered list of actions it takes.
+"""Pipeline schedules on paper: for every rank, the ordered list of ``Action(kind, microbatch, stage)``.
 
-An action is ``Action("F" or "B", microbatch, stage)``. A schedule is, for every rank, an explicit
-list of them; GPipe, 1F1B and interleaved 1F1B differ only in the order of the lists. Zero-bubble
-schedules split each backward in two: "B" then computes only the input gradient, and a later "W" the
-weight gradient.
-"""
+Schedules differ only in order; zero-bubble ones split a backward into B (input gradient) and a later W (weights)."""
 
 from __future__ import annotations
 
@@ -25,10 +21,7 @@ class Action(NamedTuple):
 
 
 class Overlapped(NamedTuple):
-    """DualPipe's F&B: one micro-batch's forward and another's backward, run as one unit. It starts when both
-    inputs are there and hands both results on at its end (DeepSeek's ``_forward_backward_chunk``; torch's
-    ``OVERLAP_F_B``, whose sends follow the whole pair), so its time is the pair's, "F&B" in DeepSeek-V3's Table 2.
-    """
+    """DualPipe's F&B pair as one unit: both results leave at its end, as torch's OVERLAP_F_B sends after the pair."""
 
     forward: Action
     backward: Action
@@ -53,15 +46,7 @@ def gpipe_actions(stage: int, n_stages: int, n_microbatches: int) -> list[Action
 
 
 def _one_f_one_b_actions(stage: int, n_stages: int, n_microbatches: int) -> list[Action]:
-    """1F1B: a warm-up of forwards, then alternate one forward and one backward, then drain.
-
-    Private: writing this is notebook 09's exercise 2 (its checker refuses answers that call it, or
-    schedule_actions). The notebook reaches it only through schedule_actions("1F1B", ...).
-
-    Stage s runs n_stages - 1 - s warm-up forwards: just enough that the first
-    gradient arrives as its warm-up ends, so at most n_stages - s activations
-    are ever in flight instead of m.
-    """
+    """1F1B: n_stages - 1 - s warm-up forwards bound live activations to n_stages - s (private: exercise 2's answer)."""
     warmup = min(n_stages - 1 - stage, n_microbatches)
     actions = [Action("F", mb, stage) for mb in range(warmup)]
     for mb in range(n_microbatches - warmup):  # steady state: F(next) then B(oldest)
@@ -71,12 +56,7 @@ def _one_f_one_b_actions(stage: int, n_stages: int, n_microbatches: int) -> list
 
 
 def interleaved_actions(rank: int, n_ranks: int, n_virtual: int, n_microbatches: int) -> list[Action]:
-    """Interleaved 1F1B (Megatron-LM): rank r holds stages r, r + p, r + 2p, ... (`n_virtual` of them).
-
-    Forwards go through the rank's stages p micro-batches at a time; the warm-up
-    is longer, (p - r - 1) * 2 + (v - 1) * p forwards, then 1F1B. Each stage
-    is 1/v of the work, so the fill and drain of the pipeline are v times shorter.
-    """
+    """Interleaved 1F1B (Megatron-LM): rank r holds r, r + p, ...; a longer warm-up, v times shorter fill and drain."""
     p, v, m = n_ranks, n_virtual, n_microbatches
     if m % p:
         raise ValueError(f"interleaved 1F1B here needs the micro-batches ({m}) to be a multiple of the ranks ({p})")
@@ -132,11 +112,7 @@ def ideal_bubble(n_ranks: int, n_microbatches: int, n_virtual: int = 1) -> float
 
 
 def zero_bubble_ideal(n_ranks: int, n_microbatches: int, n_virtual: int = 1) -> float:
-    """ZB-H1's idle fraction with t_F = t_B = t_W (Qi et al.): (p - 1) / (3vm + p - 1), for m >= p.
-
-    1F1B idles (p - 1)(t_F + t_B + t_W) per rank; ZB-H1 fills all but (p - 1)(t_F + t_B - t_W) of it with W.
-    With v stages per rank (torch's interleaved and V-shaped zero-bubble schedules) the ramp is v times shorter.
-    """
+    """ZB-H1's idle fraction with t_F = t_B = t_W (Qi et al.): (p - 1) / (3vm + p - 1), for m >= p."""
     p, m = n_ranks, n_microbatches
     if m < p:
         raise ValueError(f"ZB-H1's formula needs m >= p (here m={m}, p={p}): with fewer there is no steady state")
@@ -146,11 +122,7 @@ def zero_bubble_ideal(n_ranks: int, n_microbatches: int, n_virtual: int = 1) -> 
 def dualpipev_bubble(
     n_ranks: int, n_microbatches: int, t_forward: float = 1.0, t_backward: float = 2.0, t_weight: float = 1.0
 ) -> float:
-    """DualPipeV's idle fraction from DeepSeek's formula: each rank idles (PP/2 - 1)(F&B + B - 3W), with PP = 2p
-    stages (two per rank), F, B (the full backward) and W the times of one stage, and F&B = F + B, the overlapped
-    pair's compute (github.com/deepseek-ai/DualPipe, README's table; DualPipe's row is DeepSeek-V3's Table 2).
-    Arguments are a rank's share, as in :func:`simulate`; the simulation reproduces it when t_F equals the input
-    gradient's time t_B - t_W."""
+    """DualPipeV's idle fraction by DeepSeek's formula (DualPipe README), from a rank's share of F, B and W times."""
     p, m = n_ranks, n_microbatches
     if m < 2 * p:
         raise ValueError(f"DualPipeV needs m >= 2p, its number of stages (here m={m}, p={p})")
@@ -165,8 +137,7 @@ def stages_per_rank(schedule: str) -> int:
 
 
 def published_bubble(schedule: str, n_ranks: int, n_microbatches: int) -> float:
-    """The papers' bubble of `schedule` with t_F = t_B = t_W: Narayanan's where only v shortens the ramp (GPipe,
-    1F1B, interleaved, looped BFS), DeepSeek's for DualPipeV, Qi et al.'s where W fills it (the zero-bubble ones)."""
+    """The papers' bubble at t_F = t_B = t_W: Narayanan's, DeepSeek's (DualPipeV) or Qi et al.'s (zero bubble)."""
     p, m, v = n_ranks, n_microbatches, stages_per_rank(schedule)
     if schedule in (*SCHEDULES, "ScheduleLoopedBFS"):
         return ideal_bubble(p, m, v)
@@ -197,9 +168,7 @@ def validate(actions: dict[int, list[Action]], n_stages: int, n_microbatches: in
 
 
 def _held_changes(units: Sequence[Unit]) -> list[tuple[int, int]]:
-    """(stage, +1 or -1 or 0) per action, in the rank's order: a micro-batch's activations are kept from its F
-    to its B, or to its W when the backward is split (W's weight gradient needs them). In an overlapped pair
-    the forward's activations exist before the backward frees its own."""
+    """(stage, +1/-1/0) per action: activations live from F to B, or to W when split; an F&B's forward holds first."""
     actions = actions_of(units)
     deferred = {(a.stage, a.microbatch) for a in actions if a.kind == "W"}
     release = {a: "W" if (a.stage, a.microbatch) in deferred else "B" for a in actions}
@@ -207,9 +176,7 @@ def _held_changes(units: Sequence[Unit]) -> list[tuple[int, int]]:
 
 
 def peak_in_flight(units: Sequence[Unit]) -> dict[int, int]:
-    """Per stage, the most micro-batches whose forward ran and whose backward (or W) has not: each stage's own
-    peak. A rank's stages reach theirs at different times, so their sum over-counts the rank: see
-    :func:`simultaneous_peak`."""
+    """Each stage's own peak of live micro-batches; summing them over-counts a rank (see :func:`simultaneous_peak`)."""
     held: dict[int, int] = {}
     peak: dict[int, int] = {}
     for stage, change in _held_changes(units):
@@ -219,9 +186,7 @@ def peak_in_flight(units: Sequence[Unit]) -> dict[int, int]:
 
 
 def simultaneous_peak(units: Sequence[Unit]) -> int:
-    """The most (stage, micro-batch) activations one rank holds at the same moment, over all its stages: the
-    rank's memory peak, as the papers count it per device. With v stages per rank each is 1/v of a whole
-    stage's, so divide by v for units of one-stage-per-rank micro-batches."""
+    """A rank's peak of live (stage, micro-batch) activations, as papers count memory; divide by v for stage units."""
     held, peak = 0, 0
     for _, change in _held_changes(units):
         held += change

@@ -13,10 +13,7 @@ from course_lib.models import MLP
 
 
 def course_model(n_units: int = 16, width: int = 64, seed: int = 0) -> MLP:
-    """The shared MLP with `n_units` pieces to distribute: n_units - 1 Linear+GELU blocks and the head.
-
-    16 pieces: enough for two virtual stages on each of up to 8 ranks (interleaved 1F1B).
-    """
+    """The shared MLP in `n_units` pieces (blocks and head); 16 fit two virtual stages on each of up to 8 ranks."""
     return MLP(d_in=width, d_hidden=width, d_out=8, n_layers=n_units - 1, seed=seed)
 
 

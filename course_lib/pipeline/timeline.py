@@ -45,17 +45,7 @@ def simulate(
     t_weight: float = 1.0,
     latency: float = 0.0,
 ) -> list[Event]:
-    """Ideal timeline: each rank runs its list in order, as soon as the data an action needs exists.
-
-    `t_forward` / `t_backward` are the times of a whole rank's share of the model;
-    with v stages per rank each action takes 1/v of it. A backward split in two (a B
-    whose W is a separate action) gives `t_weight` to W and the rest to B (the defaults
-    give t_F = t_B = t_W = 1, as in the zero-bubble paper's analysis). An overlapped pair
-    (DualPipe's F&B) is one unit: it waits for both inputs, takes the time of its forward
-    plus its backward, and both results leave at its end. `latency` is added to every
-    message between ranks. Raises :class:`Deadlock` (naming the waiting ranks) instead
-    of hanging when the lists cannot finish.
-    """
+    """Ideal timeline; times are a rank's share (1/v per stage action); raises :class:`Deadlock` instead of hanging."""
     n_ranks = len(actions)
     n_stages = n_stages or n_ranks
     per_rank = n_stages // n_ranks

@@ -91,8 +91,7 @@ def from_float8(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def cast_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
-    """||approx - exact|| / ||exact||: the share of the tensor a cast lost (over the whole tensor, not the largest
-    element as compare.relative_error)."""
+    """||approx - exact|| / ||exact|| over the whole tensor (compare.relative_error looks at the largest element)."""
     return float((approx - exact).detach().norm() / exact.detach().norm())
 
 
@@ -117,8 +116,7 @@ def float8_filter(shards: int = 1) -> Callable[[nn.Module, str], bool]:
 
 
 def float8_width(world_size: int, about: int = 256) -> int:
-    """The smallest width >= `about` that is a multiple of 16 and of `world_size`: float8 weights of that many rows
-    split evenly over the ranks."""
+    """Smallest multiple of lcm(16, world_size) >= `about`: float8 weights of that many rows split evenly over ranks."""
     step = math.lcm(16, world_size)
     return step * math.ceil(about / step)
 
@@ -223,8 +221,7 @@ def train_fsdp(
 
 
 def matmul_and_linear_seconds(device: torch.device, n: int = 8192, repeats: int = 10) -> dict[str, float]:
-    """Fastest seconds of an n³ matmul and a Linear(n, n) step, in bf16 and in float8 (scaled_mm, Float8Linear).
-    Float8 runs on tensor cores from SM89 on; elsewhere the times say nothing about float8 hardware."""
+    """Fastest bf16 vs float8 seconds of an n³ matmul and a Linear step; float8 means something from SM89 on."""
     from torchao.float8 import convert_to_float8_training
 
     from course_lib.launch.runtime import seconds_in_turns

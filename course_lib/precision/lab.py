@@ -54,9 +54,7 @@ def matmul_tflops(dtype: torch.dtype, device: torch.device, n: int = 8192, repea
 
 
 def draw_storage(value: float, dtype_name: str, log2_loss_scale: int, *, grads: torch.Tensor) -> None:
-    """Left: the bits of `value` in `dtype_name` (sign | exponent | mantissa), its stored value and rounding error.
-    Right: log2 |gradient| of the non-zero `grads` times 2^log2_loss_scale, over fp16's bands: rounds to zero
-    (grey), subnormal (orange), overflow (red)."""
+    """Left: `value`'s bits and rounding error; right: scaled gradients' log2 over fp16's zero/subnormal/inf bands."""
     import matplotlib.pyplot as plt
 
     dtype = {formats.DTYPE_NAMES[d]: d for d in formats.FLOAT_DTYPES + formats.FLOAT8_DTYPES}[dtype_name]
@@ -105,8 +103,7 @@ def special_patterns(dtype: torch.dtype) -> dict[str, list[str]]:
 
 
 def draw_float8_layouts() -> None:
-    """The 8 bits of e4m3fn and e5m2 (sign | exponent | mantissa) at their largest number, with the smallest normal
-    number and the patterns that are not numbers (nan, inf), counted over all 256 patterns."""
+    """e4m3fn's and e5m2's bits at their largest number, with the smallest normal and nan/inf pattern counts."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 1, figsize=(10, 2.8))
@@ -133,8 +130,7 @@ def draw_float8_layouts() -> None:
 
 
 def draw_policy_stages(policies: dict[str, dict]) -> None:
-    """One row per MixedPrecisionPolicy: the dtype at each stage of a step (inspect_fsdp2_mixed_precision), in order
-    from the fp32 shard to the gradient shard, fp32 in blue and bf16 in orange."""
+    """Per MixedPrecisionPolicy: the dtype at each stage, from fp32 shard to gradient shard (fp32 blue, bf16 orange)."""
     import matplotlib.pyplot as plt
 
     stages = ["sharded parameter", "all_gather input", "gathered weight", "layer input", "layer output"]
@@ -156,8 +152,7 @@ def draw_policy_stages(policies: dict[str, dict]) -> None:
 
 
 def draw_op_dtypes(ops: list[tuple[str, tuple[str, ...], str]], title: str) -> None:
-    """The ops of one forward under autocast (record_op_dtypes), in order, each coloured by the dtype it outputs:
-    where autocast casts down (`_to_copy` to bf16/fp16) and where it keeps fp32."""
+    """One autocast forward's ops in order, coloured by output dtype: where autocast casts down, where it keeps fp32."""
     import matplotlib.pyplot as plt
 
     colours = {"fp32": "C0", "bf16": "C1", "fp16": "C2"}

@@ -25,8 +25,7 @@ def local_grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 def found_inf_across_ranks(
     grads: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None, sync: bool = True
 ) -> torch.Tensor:
-    """1.0 on every rank if any gradient on any rank is inf or nan, else 0.0.
-    An overflow in one rank's shard must make every rank skip the step, or parameters and scales drift apart."""
+    """1.0 on every rank if any rank has an inf/nan gradient, so all skip the step and parameters don't drift."""
     grads = list(grads)
     device = grads[0].device if grads else torch.device("cpu")
     found = torch.zeros((), dtype=torch.float32, device=device)

@@ -1,9 +1,6 @@
-"""Notebook 00's exercise checkers: a sum over ranks, a gather of every rank's value, and the desynced
-mean-loss logger. Each rank gets a secret value only it knows, drawn afresh for every call, so an answer
-without communication cannot be right; the checkers also count the calls each rank made.
-
-The solutions are in notebooks/solutions/00_torchrun_and_process_groups.py.
-"""
+"""Notebook 00's exercise checkers: a sum over ranks, a gather, and the desynced mean-loss logger.
+Each rank gets a fresh secret value only it knows, so an answer without communication cannot be right.
+Solutions: notebooks/solutions/00_torchrun_and_process_groups.py."""
 
 from __future__ import annotations
 
@@ -63,9 +60,7 @@ def check_gather_values(fn: Callable[[int], list[int]]) -> None:
 
 
 def check_mean_loss(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """fn(loss) on every rank must return the mean of every rank's loss, with every rank making the same calls,
-    and print one line in all (what each rank prints is captured, counted and shown). The loss is a CPU tensor,
-    so gloo carries it even under NCCL: a lone all-reduce then raises at the short timeout instead of hanging."""
+    """fn(loss) -> mean loss, same calls on all ranks, one print; the loss is on CPU so a lone all-reduce times out."""
     rank, n = dist.get_rank(), dist.get_world_size()
     side = side_group()
     # Positive, as losses are: the sum of two or more can never equal their mean, so "forgot to divide" always fails.

@@ -29,8 +29,7 @@ def draw_ranks_on_nodes(nnodes: int, nproc_per_node: int) -> None:
 
 
 def draw_rendezvous(world_size: int) -> None:
-    """Section 2's two steps: every rank writes its note to the store and reads its right neighbour's (left);
-    then init_process_group connects the backend, rank to rank (right)."""
+    """Section 2: ranks swap notes through the store (left), then init_process_group connects the backend (right)."""
     import matplotlib.pyplot as plt
 
     n = world_size
@@ -61,8 +60,7 @@ def draw_rendezvous(world_size: int) -> None:
 
 
 def draw_mesh(dp: int, tp: int, names: tuple[str, str] = ("dp", "tp")) -> None:
-    """A dp x tp grid of ranks, laid out row by row as init_device_mesh does: each row is one group along
-    names[1] (mesh["tp"]), each column one group along names[0] (mesh["dp"])."""
+    """A dp x tp rank grid, row-major as init_device_mesh: rows are names[1] groups, columns names[0] groups."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(2.4 + 1.3 * tp, 0.8 + 0.9 * dp))

@@ -45,9 +45,7 @@ def _read_counter(counter_rref: rpc.RRef) -> tuple[int, int]:
 
 
 def check_counter(add_fn: AddFn, calls_per_trainer: int = 8, amount_base: int = 1) -> None:
-    """Checker: every trainer sends `calls_per_trainer` concurrent updates through `add_fn`,
-    run on the server; every write must hold the counter's lock, the total must be the sum of every amount, and
-    every call must have seen a different total (no two updates interleaved)."""
+    """Checker: every trainer's concurrent add_fn updates must hold the lock, sum right and never interleave."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     start(rank, world_size)
     problem = None
@@ -145,8 +143,7 @@ def _trainer_joins(rendezvous_rref: rpc.RRef, join_fn: JoinFn, values: list[list
 
 
 def check_join_round(join_fn: JoinFn, rounds: int = 2, calls_per_trainer: int = 2) -> None:
-    """Checker: every trainer joins `calls_per_trainer` values at once, for `rounds` rounds in a row; every
-    call must get the sorted values of its round, from all trainers (values only their trainer had)."""
+    """Checker: concurrent join_fn calls, `rounds` in a row, must each get their round's sorted values from all."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     start(rank, world_size)
     problem = None

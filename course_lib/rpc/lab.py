@@ -14,8 +14,7 @@ from course_lib.rpc.remote_functions import echo
 
 
 def rpc_latency(peer: str, sizes_bytes: list[int], repeats: int = 7, warmup: int = 3) -> dict[int, float]:
-    """Fastest round-trip time (seconds) of rpc_sync(echo) of a float32 tensor of each size.
-    The fastest of alternating rounds: load only ever adds time."""
+    """Fastest rpc_sync(echo) round trip (s) per float32 tensor size, over alternating rounds: load only adds time."""
     tensors = {n: torch.zeros(max(1, n // 4)) for n in sizes_bytes}
     for _ in range(warmup):
         rpc.rpc_sync(peer, echo, args=(tensors[sizes_bytes[0]],))
@@ -43,8 +42,7 @@ def fit_latency_model(latency: dict[int, float]) -> tuple[float, float]:
 def draw_loss_curves(
     n_trainers: int, mode: str, *, runs: dict[tuple[str, int], dict[str, Any]], references: dict[int, list[float]]
 ) -> None:
-    """The loss of each trainer step of the sync and/or async server (`mode`: "sync", "async" or "both") with
-    `n_trainers`, over the data-parallel reference (which the sync server equals)."""
+    """Per-step losses of the sync and/or async server, over the data-parallel reference (which sync equals)."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3))
@@ -60,8 +58,7 @@ def draw_loss_curves(
 
 
 def draw_single_controller(n_procs: int) -> None:
-    """Monarch's picture: one controller (the notebook) above a process mesh of `n_procs` processes along `procs`,
-    a `Worker` actor with its own state in each, and the controller's calls going down to the actors."""
+    """Monarch's picture: one controller (the notebook) calling down to a stateful `Worker` actor per process."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import FancyBboxPatch
 

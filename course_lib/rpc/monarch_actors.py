@@ -96,8 +96,7 @@ class Mesh:
     failures: list[tuple[str, str]] = field(default_factory=list)  # (mesh name, report) seen by the controller
 
     async def wait_for_failure(self, mesh_name: str, timeout_s: float = 30.0) -> str:
-        """The report of the first failure of the actor mesh `mesh_name`. Reports arrive asynchronously, shortly
-        after a call has seen the failure, one per mesh with an actor on the failed process."""
+        """First failure report of actor mesh `mesh_name`; reports arrive async, shortly after a call sees it."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             # Monarch names an actor mesh "<the name given to spawn>-<a unique suffix>"
@@ -142,8 +141,7 @@ async def process_mesh(n: int, stop_timeout_s: float = 30.0) -> AsyncIterator[Me
 
 
 async def endpoint_round_trip(actor: Any, repeats: int = 7, warmup: int = 3) -> float:
-    """Seconds of one `echo` call with an 8-byte tensor, controller to one actor and back, the fastest of `repeats`
-    (as section 7's smallest `rpc_sync`: load only ever adds time)."""
+    """Fastest of `repeats` 8-byte `echo` round trips to one actor (s), as section 7's smallest rpc_sync."""
     tensor = torch.zeros(2)
     for _ in range(warmup):
         await actor.echo.call_one(tensor)
@@ -163,8 +161,7 @@ async def _wait_until_gone(pids: list[int], timeout_s: float) -> list[int]:
 
 
 def _spawn_procs(n: int) -> ProcMesh:
-    """`this_host().spawn_procs`, less the log-path line Monarch's host agent writes straight to fd 2.
-    No logger or setting controls that line; anything else is passed on to stderr."""
+    """this_host().spawn_procs minus the log-path line Monarch writes to fd 2, which no setting silences."""
     with tempfile.TemporaryFile(mode="w+") as captured:
         sys.stderr.flush()
         saved = os.dup(2)

@@ -22,8 +22,7 @@ from course_lib.rpc.train import (
 
 
 class BatchingParameterServer:
-    """Synchronous server: waits for one gradient from every trainer, averages, steps once.
-    `update_and_fetch` returns a Future at once, so a waiting trainer does not hold a server thread."""
+    """Sync server: one gradient per trainer, averaged, one step; update_and_fetch's Future frees server threads."""
 
     def __init__(self, n_trainers: int, lr: float):
         self.model = make_model()

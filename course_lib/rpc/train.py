@@ -18,8 +18,7 @@ _MODEL_BUILD_LOCK = threading.Lock()
 
 
 def make_model() -> nn.Sequential:
-    """The course MLP, small: 32 -> 32 -> 32 -> 8.
-    One at a time: MLP draws from the global RNG, and two RPC threads at once would interleave their draws."""
+    """The small course MLP, built under a lock: MLP draws from the global RNG and RPC threads would interleave."""
     with _MODEL_BUILD_LOCK:
         return MLP(d_in=32, d_hidden=32, d_out=8, n_layers=2, seed=0)
 
@@ -32,8 +31,7 @@ def _dataset(n_samples: int) -> TensorDataset:
 def trainer_batch(
     step: int, trainer: int, n_trainers: int, batch_size: int = 16, n_samples: int = 512
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Trainer `trainer`'s share of step `step`: the global batch of step `step` is
-    `n_trainers * batch_size` rows of a fixed permutation; each trainer takes its slice."""
+    """Trainer `trainer`'s slice of step `step`'s global batch (n_trainers x batch_size rows of a permutation)."""
     data = _dataset(n_samples)
     order = torch.randperm(n_samples, generator=torch.Generator().manual_seed(step))
     rows = order[(trainer * batch_size) % n_samples :][:batch_size]

@@ -1,13 +1,6 @@
-"""Persistent ranks behind the notebook: `%dist` starts N ipyparallel engines under torchrun.
+"""Persistent ranks behind the notebook: `%dist` starts N ipyparallel engines under torchrun; `%%px` runs cells there.
 
-    magic      `%dist start | status | restart | stop`; %%px placeholders until a session runs
-    px         ipyparallel's %%px / %px / %autopx on the session's view: rank-ordered output, named failures
-    session    the one session of this kernel: start, wait, explain failures, stop; view()
-    processes  the controller, the torchrun agent and the engines: started, watched, every one ended; what
-               torchrun starts on each rank: an engine whose id is the rank, in the process group
-
-Importing this package imports neither torch nor ipyparallel (each rank imports it at start-up).
-"""
+Importing this package imports neither torch nor ipyparallel: each rank imports it at start-up."""
 
 from __future__ import annotations
 

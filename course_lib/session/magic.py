@@ -1,12 +1,6 @@
 """`%dist start | status | restart | stop`, and ipyparallel's `%%px` / `%px` / `%autopx` bound to the session.
 
-    %dist start -n 4 --backend gloo --timeout 60
-    %%px
-    x = torch.ones(2) * rank
-
-While no session runs, `%px`, `%%px`, `%autopx`, `%pxresult` and `%pxconfig` say to start one. Once
-it runs they are ipyparallel's own magics on the session's view (see px.py).
-"""
+Until a session runs, the px magics are placeholders that say to start one."""
 
 from __future__ import annotations
 
@@ -42,12 +36,7 @@ PARSER.add_argument(
 class DistMagics(Magics):
     @line_magic
     def dist(self, line: str) -> None:
-        """%dist start -n N [--backend auto|gloo|nccl] [--timeout S] | status | restart | stop
-
-        start: a controller on loopback and N ipyparallel engines started by torchrun (engine id ==
-        rank), each in the default process group, with torch, dist, rank, world_size, local_rank and
-        device defined. Then %%px runs a cell on every rank (--targets for some) and state persists.
-        """
+        """%dist start -n N [--backend auto|gloo|nccl] [--timeout S] | status | restart | stop: ranks that persist."""
         args = PARSER.parse_args(shlex.split(line))
         if args.action == "start":
             if args.nproc is None:

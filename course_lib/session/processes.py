@@ -1,18 +1,6 @@
-"""The processes of a session: the ipyparallel controller, the torchrun agent, one engine per rank.
+"""The processes of a session: the ipyparallel controller, the torchrun agent, and one engine per rank.
 
-The kernel starts the controller and the agent, each in a session (setsid) of its own that dies with
-the kernel (launch.processes.die_with_kernel, as for `%%torchrun`); the agent, started with a
-`%%torchrun` cell's command, environment and rank folder, starts the engines, each in a session of
-its own, which die with it. Processes these start stay in their sessions, but no death signal
-reaches them: the controller's heartmonitor (a forked multiprocessing child, whatever
-`use_threads` says) or whatever a cell starts on a rank. So the session's processes are ended by
-session id (:func:`end_sessions`): by the kernel when the session stops, and by a watcher
-(:func:`start_watcher`) when the kernel dies, however it dies. Nothing is ended by name. All files of
-a session live in one private temporary folder (mode 0700), removed when the session stops.
-
-What torchrun starts on each rank (`--module course_lib.session.processes SESSION_DIR`, :func:`main`) records its
-pid and serves cells as the ipyparallel engine whose id is the rank; :func:`prepare` then joins the process group.
-"""
+Some escape every death signal, so all are ended by session id: by the kernel on stop, by a watcher when it dies."""
 
 from __future__ import annotations
 
@@ -38,14 +26,7 @@ MISSES = 3
 
 
 class SessionDir(RunDir):
-    """The private folder of one session: a RunDir (ranks/attempt_0/R.pid, the pid of rank R's engine; logs/,
-    torchrun's copy of each engine's output) and ipyparallel's files.
-
-    profile/security/ipcontroller-session-{client,engine}.json   ipyparallel's connection files
-    controller.log, agent.log    their output (the agent's names the rank that died first; `[rankN]:` lines
-                                 are the engines')
-    watcher.log        the watcher's errors, if any
-    """
+    """The private folder of one session: a RunDir plus ipyparallel's connection files and the processes' logs."""
 
     PREFIX = "dist-session-"
 
@@ -83,8 +64,7 @@ def start_controller(folder: SessionDir) -> subprocess.Popen:
 
 
 def start_engines(folder: SessionDir, nproc: int, backend: str) -> subprocess.Popen:
-    """torchrun with one engine (:func:`main`) per rank, as for a `%%torchrun` cell (its command and
-    environment: gloo ranks see no GPU), the engines' output teed into agent.log."""
+    """torchrun with one engine per rank, started as a `%%torchrun` cell's, output teed into agent.log."""
     spec = RunSpec(nproc=nproc, backend=backend, stream=True)
     env = agent_env(spec)
     env["IPP_NONINTERACTIVE"] = "1"  # no progress widgets inside the engines
@@ -111,14 +91,7 @@ def interrupt(pids: list[int]) -> None:
 
 
 def start_watcher(folder: SessionDir) -> subprocess.Popen:
-    """The process that ends the session when the kernel ends without stopping it (SIGKILL included).
-
-    It reads its stdin, a pipe only the kernel holds, where :func:`watch_over` writes the pid of each
-    process the kernel starts. When the pipe closes, or the kernel is no longer its parent (a process
-    the kernel forked may hold the pipe open), it ends their sessions and every rank's
-    (:func:`end_sessions`), removes the folder and exits. It runs in a session of its own, without a
-    death signal, and imports neither torch nor ipyparallel.
-    """
+    """Start the process that ends the session when the kernel ends without stopping it (SIGKILL included)."""
     code = "import sys\nfrom course_lib.session.processes import watch\nwatch(sys.argv[1], int(sys.argv[2]))"
     with open(folder.watcher_log, "wb") as log:
         return subprocess.Popen(
@@ -161,11 +134,7 @@ def watch(path: str, kernel: int) -> None:
 
 
 def session_processes(folder: SessionDir, leaders: list[int]) -> list[int]:
-    """Every live process (but this one) in the session of one of `leaders` or of a rank's engine.
-
-    A session whose leader is gone still holds what the leader started; a leader's pid that is now
-    another process's (the kernel died long ago) is left alone (see _still_ours).
-    """
+    """Every live process (but this one) in a session of `leaders` or of an engine, even with its leader gone."""
     import psutil
 
     sids = {sid for sid in {*leaders, *folder.rank_pids().values()} if _still_ours(sid, folder)}
@@ -178,12 +147,7 @@ def session_processes(folder: SessionDir, leaders: list[int]) -> list[int]:
 
 
 def _still_ours(sid: int, folder: SessionDir) -> bool:
-    """Whether `sid`, the pid of a process the session started in a session of its own, still names that session.
-
-    Linux gives a pid to no new process while a session or group of that id is left, so a live process
-    with that pid is the leader itself (its command line names the folder, or is empty while it exits)
-    or a newcomer (then session `sid` is gone).
-    """
+    """Whether session `sid` may still hold our processes: Linux reuses no pid while a session of that id is left."""
     import psutil
 
     try:
@@ -214,10 +178,7 @@ def end_sessions(folder: SessionDir, leaders: list[int], timeout_s: float = 5.0)
 
 
 def end(procs: list[subprocess.Popen], folder: SessionDir, watcher: subprocess.Popen | None = None) -> None:
-    """End the agent, every engine, the controller and what they started; then the watcher.
-
-    Returns when none of them is left.
-    """
+    """End the agent, every engine, the controller and what they started, then the watcher; return when none is left."""
     end_sessions(folder, [proc.pid for proc in procs])
     for proc in procs:
         proc.wait(5)

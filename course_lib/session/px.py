@@ -1,10 +1,6 @@
 """ipyparallel's `%%px` / `%px` / `%autopx` on the session's view, with two changes.
 
-Output is shown once the cell ends as `%%torchrun` shows it: `[rank R]` lines in rank order, one
-block for stdout and one for stderr (launch.launcher.by_rank; deterministic for nbval). The wait
-watches the ranks (Session.wait), so a dead rank, a stuck collective or an interrupt ends the cell
-with a message that says what happened and what to do (Session.explain, Session.interrupt).
-"""
+Output comes in rank order when the cell ends, as `%%torchrun`'s; the wait watches the ranks, so a dead rank ends it."""
 
 from __future__ import annotations
 

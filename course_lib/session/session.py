@@ -1,10 +1,6 @@
 """One persistent session: the controller, the agent, N engines, and the view whose targets are the ranks.
 
-At most one session runs per kernel (:func:`current`). Every wait on the ranks goes through
-:meth:`Session.wait`, which watches the rank processes while it waits: a dead rank is named at once
-instead of after ipyparallel's heartbeat timeouts. :meth:`Session.explain` turns the engines'
-CompositeError into one error that names the ranks, the exception and the cell line.
-"""
+Every wait goes through Session.wait, which watches the rank processes: a dead rank is named at once."""
 
 from __future__ import annotations
 
@@ -125,8 +121,7 @@ class Session:
         self.seconds = time.monotonic() - begin
 
     def dead(self) -> RankFailedError | None:
-        """RankFailedError('rank 2 (SIGKILL) died') when a rank, the agent or the controller is gone; None when all
-        run."""
+        """RankFailedError('rank 2 (SIGKILL) died') if a rank, the agent or the controller is gone, else None."""
         pids = self.folder.rank_pids()  # read once: a rank may record its pid meanwhile
         alive = running(pids.values(), self.folder.path)
         gone = [rank for rank, pid in pids.items() if pid not in alive]
@@ -167,9 +162,7 @@ class Session:
         )
 
     def explain(self, error: BaseException, cell: str = "") -> BaseException:
-        """One RankFailedError for a CompositeError from the ranks (other errors come back unchanged), worded as a
-        `%%torchrun` cell's failure (launch.failures.describe_failures): the first rank's exception and the line of
-        `cell` it raised at, then the other ranks'."""
+        """One RankFailedError for the ranks' CompositeError, worded as a `%%torchrun` failure; others unchanged."""
         elist = getattr(error, "elist", None)  # a CompositeError; a RemoteError when one rank was targeted
         if elist is None and hasattr(error, "engine_info"):
             elist = [(error.ename, error.evalue, error.traceback, error.engine_info)]  # type: ignore[attr-defined]

@@ -18,8 +18,7 @@ LAYERS = {
 
 
 def draw_weight_shards(tp_size: int, layer: str) -> None:
-    """The weight of `layer`, each rank's slice in its colour: column-parallel splits the rows of W (the
-    outputs), row-parallel its columns (the inputs)."""
+    """Each rank's slice of `layer`'s weight: column-parallel splits W's rows (outputs), row-parallel its columns."""
     import matplotlib.pyplot as plt
 
     rows, cols, split_dim = LAYERS[layer]
@@ -86,8 +85,7 @@ def draw_fg_block(n_ranks: int = 2) -> None:
 
 
 def draw_async_tp(n_ranks: int = 4, t_comm: float = 3.0, t_mm: float = 4.0) -> None:
-    """One rank's timeline, from the formula: all-gather then matmul, against the chunked ring, where the message of
-    step t (T_comm / (N-1)) travels during the matmul of step t (T_mm / N) and step t+1 waits for both."""
+    """One rank's all-gather-then-matmul against the chunked ring, where step t's message travels during its matmul."""
     import matplotlib.pyplot as plt
 
     message, chunk = t_comm / (n_ranks - 1), t_mm / n_ranks

@@ -139,8 +139,7 @@ def gather_then_matmul(x: torch.Tensor, weight: torch.Tensor, group: dist.Proces
 def time_overlap(
     rows: int, d_in: int, d_out: int, device: torch.device, repeats: int = 7, group: dist.ProcessGroup | None = None
 ) -> dict[str, float]:
-    """This rank's median seconds for the plain and the chunked product of (N · rows, d_in) by (d_in, d_out),
-    alternating the two so that load hits both alike; every call starts together (a barrier) and ends synchronized."""
+    """Median seconds of the plain and chunked product, alternated so load hits both; each barrier-started, synced."""
     import statistics
     import time
 
