@@ -1,7 +1,7 @@
 """How a benchmark script reports its figures to `make benchmark` (benchmarks/run_all.py).
 
     from _report import report
-    report("%%torchrun / bare torchrun, wall time", ratio, "<= 1.10")
+    report("%%torchrun / bare torchrun, wall time", ratio, "<= 1.0")
 
 Each call prints one JSON line {"figure", "goal", "measured", "met"} on stdout; run_all.py collects
 those lines from every script into one table. Goals are ratios or fractions, not absolute times:
