@@ -13,9 +13,9 @@ import torch
 
 from course_lib import gpt
 from course_lib.exercises import check, check_prediction
-from course_lib.gpt.text import REPO, SNAPSHOT_REV, course_prose
 from course_lib.launch import launch
 from tests.rank_programs import assert_checker
+from tools.course_text import REPO, SNAPSHOT_REV, course_prose
 
 SOLUTIONS = runpy.run_path(str(Path(__file__).parents[1] / "notebooks/solutions/15_capstone_gpt.py"))
 CONFIG = gpt.default_config()

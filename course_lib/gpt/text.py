@@ -1,55 +1,23 @@
 """The capstone's data: the course's own prose as character tokens, and a loader per rank.
-course_text.txt holds the notebooks' markdown at one commit (SNAPSHOT_REV)."""
+course_text.txt holds the notebooks' markdown at one commit (tools/course_text.py writes it)."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import subprocess
 from collections import Counter
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-SNAPSHOT_REV = "0aba430"  # the commit whose notebooks/*.ipynb prose the snapshot holds
-SNAPSHOT = Path(__file__).with_name("course_text.txt")
-REPO = Path(__file__).resolve().parents[2]
-
-
-def git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=REPO, check=True, capture_output=True, text=True).stdout
-
-
-def notebook_markdown(source: str) -> str:
-    """The markdown cells of one notebook (its JSON text), joined by blank lines."""
-    cells = json.loads(source)["cells"]
-    return "\n\n".join("".join(c["source"]).strip() for c in cells if c["cell_type"] == "markdown")
-
-
-def course_prose(rev: str = SNAPSHOT_REV) -> str:
-    """The markdown of every notebooks/NN_*.ipynb at `rev`, in course order."""
-    paths = sorted(p for p in git("ls-tree", "--name-only", rev, "notebooks/").split() if p.endswith(".ipynb"))
-    return "\n\n".join(notebook_markdown(git("show", f"{rev}:{p}")) for p in paths) + "\n"
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rev", default=SNAPSHOT_REV, help=f"the commit to read (default {SNAPSHOT_REV})")
-    parser.add_argument("--out", type=Path, default=SNAPSHOT)
-    args = parser.parse_args(argv)
-    text = course_prose(args.rev)
-    args.out.write_text(text, encoding="utf-8")
-    print(f"{args.out}: {len(text)} characters, {len(text.encode())} bytes, {len(set(text))} distinct characters")
-
+SNAPSHOT = Path(__file__).with_name("course_text.txt")  # written by tools/course_text.py
 
 VAL_FRACTION = 0.1
 
 
 @lru_cache(maxsize=1)
 def course_text() -> str:
-    """The committed snapshot of the course's prose (written by main)."""
+    """The committed snapshot of the course's prose."""
     return SNAPSHOT.read_text(encoding="utf-8")
 
 
@@ -134,7 +102,3 @@ def entropy_baselines(tokens: torch.Tensor) -> dict[str, float]:
     firsts = Counter(tokens[:-1].tolist())
     bigram = -sum(c / (n - 1) * math.log(c / firsts[a]) for (a, _), c in pairs.items())
     return {"uniform": math.log(len(tokens_and_tokenizer()[1].chars)), "unigram": unigram, "bigram": bigram}
-
-
-if __name__ == "__main__":
-    main()
