@@ -50,7 +50,7 @@ def test_zigzag_balances_the_causal_work():
         slowest = {layout: sum(max(step) for step in zip(*cp.computed_work(layout, s, n))) for layout in cp.LAYOUTS}
         assert slowest == {"contiguous": n * c * c, "zigzag": c * c + (n - 1) * c * c // 2}
     assert cp.positions("zigzag", 50, 2, 0).tolist() == list(range(13)) + list(range(38, 50))
-    assert cp.describe(cp.positions("zigzag", 50, 2, 0)) == "0-12, 38-49"
+    assert cp.describe_positions(cp.positions("zigzag", 50, 2, 0)) == "0-12, 38-49"
     with pytest.raises(ValueError, match="at least 8 tokens"):
         cp.positions("zigzag", 7, 4, 0)
     with pytest.raises(ValueError, match="layout must be one of"):

@@ -18,7 +18,7 @@ from course_lib.context_parallel.layout import (
     all_positions,
     causal_work,
     computed_work,
-    describe,
+    describe_positions,
     overlap_tokens,
     positions,
     ring_bytes,

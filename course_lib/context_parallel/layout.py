@@ -22,7 +22,7 @@ def positions(layout: str, seq_len: int, world_size: int, rank: int) -> torch.Te
     return torch.cat([torch.arange(offsets[c], offsets[c + 1]) for c in chunks])
 
 
-def describe(held: torch.Tensor) -> str:
+def describe_positions(held: torch.Tensor) -> str:
     """Positions as runs: "0-12, 37-49"."""
     runs: list[list[int]] = []
     for p in held.tolist():
