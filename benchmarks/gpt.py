@@ -49,7 +49,7 @@ batches = gpt.ShardedBatches(gpt.split()[0], config.seq, 16)
 one_step = {}
 for name, layout in pair.items():
     model = gpt.parallelize(layout, config, None, device)
-    one_step[name] = functools.partial(gpt.plain_step(model, gpt.make_optimizer(model), batches, device, layout), 0)
+    one_step[name] = functools.partial(gpt.plain_step(model, gpt.adam_per_mesh(model), batches, device, layout), 0)
 turns = seconds_in_turns(one_step, repeats=steps, warmup=2)
 """
 

@@ -14,10 +14,10 @@ from course_lib.gpt.lab import (
 )
 from course_lib.gpt.layouts import (
     Layout,
+    adam_per_mesh,
     apply_compile,
     compiled_layouts,
     layouts,
-    make_optimizer,
     parallelize,
     sync_tied_gradients,
 )

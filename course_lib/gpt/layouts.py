@@ -83,7 +83,7 @@ def parallelize(layout: Layout, config: GPTConfig, mesh: DeviceMesh | None, devi
 LR = 2e-3  # Adam's learning rate in every run
 
 
-def make_optimizer(model: nn.Module, lr: float = LR) -> torch.optim.Optimizer:
+def adam_per_mesh(model: nn.Module, lr: float = LR) -> torch.optim.Optimizer:
     """Adam, a group per DeviceMesh: FSDP2 x TP puts blocks on (dp, tp), the root on dp; foreach can't mix them."""
     by_mesh: dict[object, list[nn.Parameter]] = {}
     for p in model.parameters():

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib.compare import full_tensor
-from course_lib.gpt.layouts import LR, Layout, make_optimizer, parallelize, sync_tied_gradients
+from course_lib.gpt.layouts import LR, Layout, adam_per_mesh, parallelize, sync_tied_gradients
 from course_lib.gpt.model import GPTConfig, loss_fn
 from course_lib.gpt.text import ShardedBatches, split, tokens_and_tokenizer
 from course_lib.launch.runtime import synchronize
@@ -95,7 +95,7 @@ def train_layout(layout: Layout, steps: int, global_batch: int = 16, lr: float =
         raise ValueError(f"{layout.describe()} needs {layout.world} ranks, this run has {world}")
     mesh = layout.build_mesh(device.type) if layout.world > 1 else None
     model = parallelize(layout, config, mesh, device)
-    optimizer = make_optimizer(model, lr)
+    optimizer = adam_per_mesh(model, lr)
     dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
     batches = ShardedBatches(split()[0], config.seq, global_batch, dp_rank, layout.dp, seed=config.seed)
     if layout.pp > 1:
