@@ -219,7 +219,7 @@ def test_traffic_prediction_for_the_notebooks_model_counts_every_collective():
     # 2D, dp=2 x tp=2, 3 micro-batches of 2: per block 6 all-gathers + 3 reduce-scatters of 14280 fp32 values
     # (its 28272 parameters over tp, plus the norms and row-parallel biases that tp replicates), 18 all-reduces
     # of a (2, 6, 48) activation
-    got = compose.predicted_traffic(4, dp=2, tp=2, pp=1, n_mb=3, global_batch=12)
+    got = compose.predicted_bytes_by_dimension(4, dp=2, tp=2, pp=1, n_mb=3, global_batch=12)
     assert got["tp"] == 4 * 18 * (2 * 6 * 48 * 4)
     assert got["dp"] == pytest.approx(4 * 9 * 0.5 * 14280 * 4, rel=0.02)
     error, line = compose.compare_traffic("x", got, {"tp": got["tp"], "dp": got["dp"] * 1.01, "pp": 0.0})

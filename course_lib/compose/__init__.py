@@ -12,8 +12,8 @@ from course_lib.compose.lab import (
     format_plan,
     plan_options,
     plot_held,
+    predicted_bytes_by_dimension,
     predicted_collectives,
-    predicted_traffic,
 )
 from course_lib.compose.parallelize import (
     DIMS,

@@ -25,7 +25,7 @@ def course_model_shape(n_blocks: int, micro_batch: float, seq: int = 6) -> Model
     return ModelShape(n_blocks * per_block, n_blocks, BLOCK.d_model, BLOCK.n_heads, seq, micro_batch, tp_all_reduces=6)
 
 
-def predicted_traffic(
+def predicted_bytes_by_dimension(
     n_blocks: int, dp: int, tp: int, pp: int, n_mb: int, global_batch: int, **choices: Any
 ) -> dict[str, float]:
     """The planner's bytes per GPU per step (fp32, as the ranks train) for the course's model, by dimension."""
