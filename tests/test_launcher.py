@@ -123,13 +123,14 @@ def test_timeout_ends_every_process_and_names_running_ranks():
 
     thread = threading.Thread(target=run)
     thread.start()
-    # The token is visible on the run's processes (so the final check can see survivors): agent and both ranks.
+    # The token is visible on the ranks (so the final check can see survivors), the agent is their parent.
     assert wait_until(lambda: len(_agent_and_workers(token)[1]) == 2, timeout=120), "the ranks did not start"
+    agent, _ = _agent_and_workers(token)
     thread.join(120)  # a guard against a hang, not a speed bound: the ranks sleep 600 s
     assert not thread.is_alive(), "launch did not return after its timeout"
     assert len(raised) == 1 and isinstance(raised[0], RunTimeoutError), raised
     assert "ranks still running: 0, 1" in str(raised[0])
-    assert processes_with(token) == []
+    assert processes_with(token) == [] and not agent[0].is_running()
 
 
 def _script_running_a_long_cell(token: str) -> subprocess.Popen:
@@ -145,9 +146,9 @@ def _script_running_a_long_cell(token: str) -> subprocess.Popen:
 
 
 def _agent_and_workers(token: str):
-    procs = processes_with(token)
-    agent = [p for p in procs if "torch.distributed.run" in " ".join(p.cmdline())]
-    workers = [p for p in procs if p not in agent and "course_lib.launch.worker" in " ".join(p.cmdline())]
+    """The run's torchrun agent (forked, so not carrying the token: the ranks' parent) and its ranks."""
+    workers = [p for p in processes_with(token) if "course_lib.launch.worker" in " ".join(p.cmdline())]
+    agent = list({p.ppid(): p.parent() for p in workers}.values())
     return agent, workers
 
 
@@ -169,8 +170,8 @@ def test_no_process_survives(how):
         else:
             kernel.kill()
             kernel.wait(10)
-        assert wait_until(lambda: processes_with(token) == [], timeout=15), (
-            f"left behind: {[p.cmdline() for p in processes_with(token)]}"
+        assert wait_until(lambda: processes_with(token) == [] and not agent[0].is_running(), timeout=15), (
+            f"left behind: {[p.cmdline() for p in processes_with(token)]}, agent running: {agent[0].is_running()}"
         )
     finally:
         kernel.kill()
@@ -445,7 +446,7 @@ def test_bad_input_is_refused_at_once(shell, line, message, monkeypatch):
     def no_process(*args, **kwargs):
         raise AssertionError("a process was started for input that should be refused first")
 
-    monkeypatch.setattr(processes.subprocess, "Popen", no_process)
+    monkeypatch.setattr(processes, "start_agent", no_process)
     with pytest.raises(LaunchError) as info:
         shell.run_cell_magic("torchrun", line, "print('never runs')\n")
     assert message in str(info.value)

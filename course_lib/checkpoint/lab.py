@@ -8,7 +8,6 @@ import os
 import re
 import signal
 import socket
-import subprocess
 import threading
 import time
 import uuid
@@ -49,13 +48,13 @@ class Node:
     name: str
     spec: RunSpec
     run: RunDir
-    proc: subprocess.Popen | None = None  # the torchrun agent
+    proc: processes.Agent | None = None  # the torchrun agent
     lines: list[str] = field(default_factory=list)  # the agent's own output
     pump: threading.Thread | None = None
 
     @property
     def exit_code(self) -> int | None:
-        return None if self.proc is None else self.proc.returncode
+        return None if self.proc is None else self.proc.exitcode
 
 
 @dataclass
@@ -191,7 +190,7 @@ def _start(node: Node, deadline: float) -> None:
 def _wait(what: str, done: Callable[[], bool], nodes: list[Node], deadline: float) -> None:
     while not done():
         for node in nodes:
-            if node.proc is not None and node.proc.poll() is not None:
+            if node.proc is not None and node.proc.exitcode is not None:
                 tail = "\n".join(node.lines[-30:])
                 raise RuntimeError(f"{node.name}'s agent exited while waiting for {what}:\n{tail}")
         if time.monotonic() > deadline:
@@ -201,7 +200,7 @@ def _wait(what: str, done: Callable[[], bool], nodes: list[Node], deadline: floa
 
 def _finish(nodes: list[Node], deadline: float) -> None:
     """Wait until every node's agent has exited; raise if one failed."""
-    finished = lambda: all(n.proc is not None and n.proc.poll() is not None for n in nodes)
+    finished = lambda: all(n.proc is not None and n.proc.exitcode is not None for n in nodes)
     _wait(f"{', '.join(n.name for n in nodes)} to finish", finished, [], deadline)
     codes = {n.name: n.exit_code for n in nodes}
     if any(codes.values()):
@@ -251,7 +250,7 @@ def run_elastic(
         assert first.proc is not None and second.proc is not None
         processes.kill_group(second.proc.pid, signal.SIGTERM)  # node 1 leaves, as a preempted node does
         agent = first.proc
-        _wait("node 0 to finish", lambda: agent.poll() is not None, [], deadline)
+        _wait("node 0 to finish", lambda: agent.exitcode is not None, [], deadline)
     except BaseException as error:
         _add_notes(error, nodes, "both nodes")
         raise
@@ -348,7 +347,7 @@ def run_torchft(
             processes.kill_group(pid, signal.SIGKILL)
         killed_at = time.time()
         assert second.proc is not None
-        second.proc.wait(30)  # its torchrun agent sees the worker die and exits
+        second.proc.join(30)  # its torchrun agent sees the worker die and exits
         alone = lambda: any(e["event"] == "step" and e["step"] == kill_at for e in read_json_lines(log0))
         _wait(f"replica 0 to commit step {kill_at} alone", alone, [first], deadline)
         log1.rename(root / "replica_1_first.jsonl")

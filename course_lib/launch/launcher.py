@@ -190,13 +190,13 @@ def _run(spec: RunSpec, run: RunDir, body: str, push: dict[str, Any], write: Wri
         failures.add_silent_deaths(attempts, log, run)
     if not spec.stream:
         emit_grouped(write, attempts)
-    ok = proc.returncode == 0 and not timed_out
+    ok = proc.exitcode == 0 and not timed_out
     values = collect_values(run, spec.out) if ok else {}
     result = RunResult(spec.nproc, spec.backend, attempts, values, wall, log)
     if timed_out:
         raise failures.timeout_error(spec, running, killed)
-    if proc.returncode != 0:
-        raise failures.failed_error(proc.returncode, result, body.splitlines(), spec.max_restarts)
+    if proc.exitcode != 0:
+        raise failures.failed_error(proc.exitcode, result, body.splitlines(), spec.max_restarts)
     return result
 
 

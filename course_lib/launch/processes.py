@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
+import multiprocessing
+import multiprocessing.connection
 import os
+import select
 import selectors
 import signal
-import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -18,16 +22,15 @@ from pathlib import Path
 from course_lib.launch.spec import RunDir, RunSpec
 
 _IMPORT_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds course_lib/
-_ACTIVE: dict[int, tuple[subprocess.Popen, RunDir]] = {}  # agent pid -> (agent, its run), until ended
+_ACTIVE: dict[int, tuple[Agent, RunDir]] = {}  # agent pid -> (agent, its run), until ended
 
 
 WORKER = "course_lib.launch.worker"  # the program of a `%%torchrun` cell's ranks
 
 
-def torchrun_command(spec: RunSpec, run: RunDir, program: str = WORKER) -> list[str]:
-    """``python -m torch.distributed.run ... --module PROGRAM RUN_DIR`` (a session's engines: session.processes)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(spec.nproc)]
-    cmd += ["--max-restarts", str(spec.max_restarts), "--monitor-interval", "0.1"]
+def torchrun_args(spec: RunSpec, run: RunDir, program: str = WORKER) -> list[str]:
+    """torchrun's arguments for `run`: ``... --module PROGRAM RUN_DIR`` (a session's engines: session.processes)."""
+    cmd = ["--nproc-per-node", str(spec.nproc), "--max-restarts", str(spec.max_restarts), "--monitor-interval", "0.1"]
     cmd += ["--log-dir", str(run.logs), "--redirects", "3"]
     if spec.stream:
         cmd += ["--tee", "3"]
@@ -68,18 +71,64 @@ def torchrun_env(nproc: int, backend: str = "auto") -> dict[str, str]:
     return agent_env(RunSpec.create(nproc=nproc, backend=backend))
 
 
-def start_agent(spec: RunSpec, run: RunDir) -> subprocess.Popen:
+_FORKSERVER = multiprocessing.get_context("forkserver")
+_FORKSERVER.set_forkserver_preload(["torch.distributed.run", __name__])
+
+
+class Agent(_FORKSERVER.Process):  # type: ignore[name-defined,misc]
+    """A torchrun agent forked from multiprocessing's forkserver, which imported torch once for all of them.
+
+    `python -m torch.distributed.run` spends ~1.2 s importing torch before it starts a rank: every cell did."""
+
+    stdout: multiprocessing.connection.Connection  # the agent's output, read by pump
+    stderr: multiprocessing.connection.Connection
+
+
+def start_agent(spec: RunSpec, run: RunDir) -> Agent:
     """Start torchrun for `run` in a session of its own; it is ended by end_run (or at exit)."""
-    proc = subprocess.Popen(
-        torchrun_command(spec, run),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=agent_env(spec),
-        start_new_session=True,
-        preexec_fn=die_with_kernel,
-    )
-    _ACTIVE[proc.pid] = (proc, run)
-    return proc
+    (out, out_w), (err, err_w) = (_FORKSERVER.Pipe(duplex=False) for _ in range(2))
+    agent = Agent(target=_agent_main, args=(os.getpid(), torchrun_args(spec, run), agent_env(spec), out_w, err_w))
+    agent.start()
+    out_w.close()  # the agent holds the only write ends: the pipes close when it exits
+    err_w.close()
+    agent.stdout, agent.stderr = out, err
+    _ACTIVE[agent.pid] = (agent, run)
+    return agent
+
+
+def _agent_main(
+    kernel: int,
+    args: list[str],
+    env: dict[str, str],
+    stdout: multiprocessing.connection.Connection,
+    stderr: multiprocessing.connection.Connection,
+) -> None:
+    """torchrun's main in the forked agent: its own session, output into the pipes, and an end with the kernel."""
+    os.setsid()
+    if hasattr(os, "pidfd_open"):  # Linux: the agent's parent is the forkserver, so no PR_SET_PDEATHSIG
+        threading.Thread(target=_stop_when_gone, args=(os.pidfd_open(kernel),), daemon=True).start()
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, b"torchrun")  # PR_SET_NAME: what `ps` shows, how a rank knows its parent (worker)
+    for connection, fd in ((stdout, 1), (stderr, 2)):
+        os.dup2(connection.fileno(), fd)
+        connection.close()
+    sys.stdout, sys.stderr = (open(fd, "w", buffering=1, closefd=False) for fd in (1, 2))  # noqa: SIM115
+    os.environ.clear()
+    os.environ.update(env)
+    if "LOGLEVEL" in env:  # torch's loggers read it when imported, which the forkserver did
+        for name in list(logging.root.manager.loggerDict):
+            if name.startswith("torch.distributed"):
+                logging.getLogger(name).setLevel(env["LOGLEVEL"])
+    from torch.distributed.run import main
+
+    main(args)
+
+
+def _stop_when_gone(pidfd: int) -> None:
+    """SIGTERM this agent once the process of `pidfd` exits, even by SIGKILL: torchrun then ends its ranks."""
+    select.select([pidfd], [], [])
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def die_with_kernel() -> None:
@@ -110,18 +159,16 @@ def kill_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
-def end_run(proc: subprocess.Popen, run: RunDir, grace_s: float = 3.0) -> None:
+def end_run(proc: Agent, run: RunDir, grace_s: float = 3.0) -> None:
     """End the agent and every worker of one run; return when none is left."""
-    if proc.poll() is None:
+    if proc.exitcode is None:
         kill_group(proc.pid, signal.SIGTERM)  # the agent stops its workers on SIGTERM
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(grace_s)
+        proc.join(grace_s)
     kill_group(proc.pid, signal.SIGKILL)
     # Workers run in sessions of their own (pgid == pid): their groups include their children.
     for pid in run.pids():
         kill_group(pid, signal.SIGKILL)
-    if proc.poll() is None:
-        proc.wait(5)
+    proc.join(5)
     deadline = time.monotonic() + 5
     while running(run.pids(), run.path) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -134,9 +181,8 @@ def _end_all_runs() -> None:
         end_run(proc, run, grace_s=1.0)
 
 
-def pump(proc: subprocess.Popen, deadline: float, on_line: Callable[[str, str], None]) -> bool:
+def pump(proc: Agent, deadline: float, on_line: Callable[[str, str], None]) -> bool:
     """Pass the agent's output lines to `on_line` until it exits; True if the monotonic `deadline` passed first."""
-    assert proc.stdout is not None and proc.stderr is not None, "start_agent pipes both"
     selector = selectors.DefaultSelector()
     for pipe, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
         os.set_blocking(pipe.fileno(), False)
@@ -159,10 +205,7 @@ def pump(proc: subprocess.Popen, deadline: float, on_line: Callable[[str, str], 
         for name, rest in partial.items():
             if rest:
                 on_line(rest, name)
-        while proc.poll() is None:
-            if time.monotonic() > deadline:
-                return True
-            time.sleep(0.05)
-        return False
+        # Only wait: reading the exit code from two threads at once (pump in a thread, its caller) loses it.
+        return not multiprocessing.connection.wait([proc.sentinel], max(0.0, deadline - time.monotonic()))
     finally:
         selector.close()

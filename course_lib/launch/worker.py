@@ -40,12 +40,13 @@ def die_with_parent() -> None:
 
 
 def _is_torchrun_agent(pid: int) -> bool:
-    """Whether `pid` runs torchrun (`python -m torch.distributed.run` or the `torchrun` script)."""
+    """Whether `pid` runs torchrun: `python -m torch.distributed.run`, or an agent named so (processes.start_agent)."""
     try:
-        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        name = Path(f"/proc/{pid}/comm").read_bytes()
     except OSError:
         return False
-    return b"torch.distributed.run" in command or b"torchrun" in command
+    return b"torch.distributed.run" in command or name.strip() == b"torchrun"
 
 
 def trim_to_cell(exc: BaseException, cell_file: str) -> None:

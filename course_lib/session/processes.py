@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from course_lib.launch.failures import exit_codes, how_it_ended
-from course_lib.launch.processes import agent_env, die_with_kernel, kill_group, torchrun_command
+from course_lib.launch.processes import agent_env, die_with_kernel, kill_group, torchrun_args
 from course_lib.launch.spec import RunDir, RunSpec
 
 CLUSTER_ID = "session"
@@ -68,7 +68,13 @@ def start_engines(folder: SessionDir, nproc: int, backend: str) -> subprocess.Po
     spec = RunSpec(nproc=nproc, backend=backend, stream=True)
     env = agent_env(spec)
     env["IPP_NONINTERACTIVE"] = "1"  # no progress widgets inside the engines
-    return _start(torchrun_command(spec, folder, "course_lib.session.processes"), folder.agent_log, env)
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *torchrun_args(spec, folder, "course_lib.session.processes"),
+    ]
+    return _start(torchrun, folder.agent_log, env)
 
 
 def tail(log: Path, lines: int = 15) -> str:
