@@ -9,6 +9,7 @@ import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.forkserver
 import os
 import select
 import selectors
@@ -82,6 +83,11 @@ class Agent(_FORKSERVER.Process):  # type: ignore[name-defined,misc]
 
     stdout: multiprocessing.connection.Connection  # the agent's output, read by pump
     stderr: multiprocessing.connection.Connection
+
+
+def start_forkserver() -> None:
+    """Start the agents' forkserver now (it preloads torch in the background), not at the first cell."""
+    multiprocessing.forkserver.ensure_running()
 
 
 def start_agent(spec: RunSpec, run: RunDir) -> Agent:
