@@ -81,8 +81,15 @@ class Agent(_FORKSERVER.Process):  # type: ignore[name-defined,misc]
 
     `python -m torch.distributed.run` spends ~1.2 s importing torch before it starts a rank: every cell did."""
 
-    stdout: multiprocessing.connection.Connection  # the agent's output, read by pump
+    stdout: multiprocessing.connection.Connection  # the agent's output, read by pump (unless it goes to a log)
     stderr: multiprocessing.connection.Connection
+
+    def poll(self) -> int | None:  # as subprocess.Popen's, so the session ends its processes alike
+        return self.exitcode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        self.join(timeout)
+        return self.exitcode
 
 
 def start_forkserver() -> None:
@@ -90,10 +97,11 @@ def start_forkserver() -> None:
     multiprocessing.forkserver.ensure_running()
 
 
-def start_agent(spec: RunSpec, run: RunDir) -> Agent:
-    """Start torchrun for `run` in a session of its own; it is ended by end_run (or at exit)."""
+def start_agent(spec: RunSpec, run: RunDir, program: str = WORKER, log: Path | None = None) -> Agent:
+    """Start torchrun for `run` in a session of its own, output into pipes or `log`; end_run (or exit) ends it."""
     (out, out_w), (err, err_w) = (_FORKSERVER.Pipe(duplex=False) for _ in range(2))
-    agent = Agent(target=_agent_main, args=(os.getpid(), torchrun_args(spec, run), agent_env(spec), out_w, err_w))
+    output = str(log) if log else (out_w, err_w)
+    agent = Agent(target=_agent_main, args=(os.getpid(), torchrun_args(spec, run, program), agent_env(spec), output))
     agent.start()
     out_w.close()  # the agent holds the only write ends: the pipes close when it exits
     err_w.close()
@@ -106,19 +114,22 @@ def _agent_main(
     kernel: int,
     args: list[str],
     env: dict[str, str],
-    stdout: multiprocessing.connection.Connection,
-    stderr: multiprocessing.connection.Connection,
+    output: str | tuple[multiprocessing.connection.Connection, multiprocessing.connection.Connection],
 ) -> None:
-    """torchrun's main in the forked agent: its own session, output into the pipes, and an end with the kernel."""
+    """torchrun's main in the forked agent: its own session, output into the pipes or log, an end with the kernel."""
     os.setsid()
     if hasattr(os, "pidfd_open"):  # Linux: the agent's parent is the forkserver, so no PR_SET_PDEATHSIG
         threading.Thread(target=_stop_when_gone, args=(os.pidfd_open(kernel),), daemon=True).start()
         import ctypes
 
         ctypes.CDLL(None).prctl(15, b"torchrun")  # PR_SET_NAME: what `ps` shows, how a rank knows its parent (worker)
-    for connection, fd in ((stdout, 1), (stderr, 2)):
-        os.dup2(connection.fileno(), fd)
-        connection.close()
+    if isinstance(output, str):
+        log = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        fds = [log, log]
+    else:
+        fds = [connection.fileno() for connection in output]
+    for fd, target in zip(fds, (1, 2), strict=True):
+        os.dup2(fd, target)
     sys.stdout, sys.stderr = (open(fd, "w", buffering=1, closefd=False) for fd in (1, 2))  # noqa: SIM115
     os.environ.clear()
     os.environ.update(env)
@@ -135,14 +146,6 @@ def _stop_when_gone(pidfd: int) -> None:
     """SIGTERM this agent once the process of `pidfd` exits, even by SIGKILL: torchrun then ends its ranks."""
     select.select([pidfd], [], [])
     os.kill(os.getpid(), signal.SIGTERM)
-
-
-def die_with_kernel() -> None:
-    """Before exec in a child of the kernel: SIGTERM when the kernel dies (even by SIGKILL), so torchrun stops ranks."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def running(pids: Iterable[int], naming: str | Path | None = None) -> list[int]:
@@ -184,7 +187,8 @@ def end_run(proc: Agent, run: RunDir, grace_s: float = 3.0) -> None:
 @atexit.register
 def _end_all_runs() -> None:
     for proc, run in list(_ACTIVE.values()):
-        end_run(proc, run, grace_s=1.0)
+        if proc.is_alive():  # a session's agent is ended by the session, not by end_run: its pid may be reused
+            end_run(proc, run, grace_s=1.0)
 
 
 def pump(proc: Agent, deadline: float, on_line: Callable[[str, str], None]) -> bool:

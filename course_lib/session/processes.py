@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from course_lib.launch.failures import exit_codes, how_it_ended
-from course_lib.launch.processes import agent_env, die_with_kernel, kill_group, torchrun_args
+from course_lib.launch.processes import Agent, kill_group, start_agent
 from course_lib.launch.spec import RunDir, RunSpec
 
 CLUSTER_ID = "session"
@@ -23,6 +23,7 @@ START_TIMEOUT_S = 180.0  # start-up of the controller and every engine (slow on 
 # is noticed within a few seconds (ipyparallel's defaults, 3 s x 10, would take half a minute).
 PING_MS = 1000
 MISSES = 3
+Process = subprocess.Popen | Agent  # the controller, the agent
 
 
 class SessionDir(RunDir):
@@ -41,17 +42,12 @@ class SessionDir(RunDir):
         self.watcher_log = path / "watcher.log"
 
 
-def _start(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    with open(log, "wb") as out:
-        return subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-            preexec_fn=die_with_kernel,
-        )
+def die_with_kernel() -> None:
+    """Before exec in a child of the kernel: SIGTERM when the kernel dies (even by SIGKILL)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def start_controller(folder: SessionDir) -> subprocess.Popen:
@@ -60,21 +56,21 @@ def start_controller(folder: SessionDir) -> subprocess.Popen:
     cmd += [f"--cluster-id={CLUSTER_ID}", "--ip=127.0.0.1", "--IPController.use_threads=True"]
     cmd += [f"--HeartMonitor.period={PING_MS}", f"--HeartMonitor.max_heartmonitor_misses={MISSES}"]
     cmd += ["--log-level=WARN"]
-    return _start(cmd, folder.controller_log)
+    with open(folder.controller_log, "wb") as log:
+        return subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=die_with_kernel,
+        )
 
 
-def start_engines(folder: SessionDir, nproc: int, backend: str) -> subprocess.Popen:
-    """torchrun with one engine per rank, started as a `%%torchrun` cell's, output teed into agent.log."""
-    spec = RunSpec(nproc=nproc, backend=backend, stream=True)
-    env = agent_env(spec)
-    env["IPP_NONINTERACTIVE"] = "1"  # no progress widgets inside the engines
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        *torchrun_args(spec, folder, "course_lib.session.processes"),
-    ]
-    return _start(torchrun, folder.agent_log, env)
+def start_engines(folder: SessionDir, nproc: int, backend: str) -> Agent:
+    """torchrun with one engine per rank, started as a `%%torchrun` cell's agent, output teed into agent.log."""
+    spec = RunSpec(nproc=nproc, backend=backend, stream=True, env={"IPP_NONINTERACTIVE": "1"})  # no progress widgets
+    return start_agent(spec, folder, "course_lib.session.processes", folder.agent_log)
 
 
 def tail(log: Path, lines: int = 15) -> str:
@@ -109,7 +105,7 @@ def start_watcher(folder: SessionDir) -> subprocess.Popen:
         )
 
 
-def watch_over(watcher: subprocess.Popen | None, proc: subprocess.Popen) -> subprocess.Popen:
+def watch_over(watcher: subprocess.Popen | None, proc: Process) -> Process:
     """Tell the watcher of `proc` (started in a session of its own); return `proc`."""
     if watcher is not None and watcher.stdin is not None:
         with contextlib.suppress(OSError):  # a watcher that is gone: end() still ends `proc`
@@ -163,7 +159,8 @@ def _still_ours(sid: int, folder: SessionDir) -> bool:
         if os.getsid(sid) != sid:
             return False  # a newcomer: what was left of the session is gone
         cmdline = leader.cmdline()
-        return not cmdline or str(folder.path) in " ".join(cmdline)  # the controller, the agent, an engine
+        # the controller and an engine name the folder; the agent, forked from the forkserver, is named torchrun
+        return not cmdline or str(folder.path) in " ".join(cmdline) or leader.name() == "torchrun"
     except (psutil.NoSuchProcess, ProcessLookupError):
         return True  # the leader is gone: what it started may be left in its session
     except (psutil.Error, OSError):
@@ -183,7 +180,7 @@ def end_sessions(folder: SessionDir, leaders: list[int], timeout_s: float = 5.0)
         time.sleep(0.05)
 
 
-def end(procs: list[subprocess.Popen], folder: SessionDir, watcher: subprocess.Popen | None = None) -> None:
+def end(procs: list[Process], folder: SessionDir, watcher: subprocess.Popen | None = None) -> None:
     """End the agent, every engine, the controller and what they started, then the watcher; return when none is left."""
     end_sessions(folder, [proc.pid for proc in procs])
     for proc in procs:

@@ -76,7 +76,7 @@ class Session:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.folder = SessionDir.create()
-        self.procs: list[subprocess.Popen] = []  # the controller, the agent
+        self.procs: list[processes.Process] = []  # the controller, the agent
         self.watcher: subprocess.Popen | None = None  # ends them if the kernel dies (processes.start_watcher)
         self.client: Any = None
         self.view: Any = None
