@@ -70,6 +70,9 @@ def start_controller(folder: SessionDir) -> subprocess.Popen:
 def start_engines(folder: SessionDir, nproc: int, backend: str) -> Agent:
     """torchrun with one engine per rank, started as a `%%torchrun` cell's agent, output teed into agent.log."""
     spec = RunSpec(nproc=nproc, backend=backend, stream=True, env={"IPP_NONINTERACTIVE": "1"})  # no progress widgets
+    # An engine exits if the profile folder is missing, and on a loaded machine it may start before the controller
+    # has made it: the engines then wait for the controller's connection file in the folder (wait_for_url_file).
+    folder.profile.mkdir(mode=0o700, exist_ok=True)
     return start_agent(spec, folder, "course_lib.session.processes", folder.agent_log)
 
 
