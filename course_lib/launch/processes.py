@@ -99,13 +99,14 @@ def start_forkserver() -> None:
 
 def start_agent(spec: RunSpec, run: RunDir, program: str = WORKER, log: Path | None = None) -> Agent:
     """Start torchrun for `run` in a session of its own, output into pipes or `log`; end_run (or exit) ends it."""
-    (out, out_w), (err, err_w) = (_FORKSERVER.Pipe(duplex=False) for _ in range(2))
-    output = str(log) if log else (out_w, err_w)
+    pipes = [] if log else [_FORKSERVER.Pipe(duplex=False) for _ in range(2)]
+    output = str(log) if log else tuple(write for _, write in pipes)
     agent = Agent(target=_agent_main, args=(os.getpid(), torchrun_args(spec, run, program), agent_env(spec), output))
     agent.start()
-    out_w.close()  # the agent holds the only write ends: the pipes close when it exits
-    err_w.close()
-    agent.stdout, agent.stderr = out, err
+    for _, write in pipes:
+        write.close()  # the agent holds the only write ends: the pipes close when it exits
+    if pipes:
+        agent.stdout, agent.stderr = (read for read, _ in pipes)
     _ACTIVE[agent.pid] = (agent, run)
     return agent
 
@@ -120,9 +121,6 @@ def _agent_main(
     os.setsid()
     if hasattr(os, "pidfd_open"):  # Linux: the agent's parent is the forkserver, so no PR_SET_PDEATHSIG
         threading.Thread(target=_stop_when_gone, args=(os.pidfd_open(kernel),), daemon=True).start()
-        import ctypes
-
-        ctypes.CDLL(None).prctl(15, b"torchrun")  # PR_SET_NAME: what `ps` shows, how a rank knows its parent (worker)
     if isinstance(output, str):
         log = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         fds = [log, log]
@@ -187,7 +185,9 @@ def end_run(proc: Agent, run: RunDir, grace_s: float = 3.0) -> None:
 @atexit.register
 def _end_all_runs() -> None:
     for proc, run in list(_ACTIVE.values()):
-        if proc.is_alive():  # a session's agent is ended by the session, not by end_run: its pid may be reused
+        if (
+            proc.is_alive()
+        ):  # one that exited (a session's, which the session ends) needs nothing: its pid may be reused
             end_run(proc, run, grace_s=1.0)
 
 

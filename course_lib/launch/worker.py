@@ -40,13 +40,11 @@ def die_with_parent() -> None:
 
 
 def _is_torchrun_agent(pid: int) -> bool:
-    """Whether `pid` runs torchrun: `python -m torch.distributed.run`, or an agent named so (processes.start_agent)."""
+    """Whether `pid` is a torchrun agent: torchrun's main names its thread pt_elastic (forked agents' included)."""
     try:
-        command = Path(f"/proc/{pid}/cmdline").read_bytes()
-        name = Path(f"/proc/{pid}/comm").read_bytes()
+        return Path(f"/proc/{pid}/comm").read_bytes().strip() == b"pt_elastic"
     except OSError:
         return False
-    return b"torch.distributed.run" in command or name.strip() == b"torchrun"
 
 
 def trim_to_cell(exc: BaseException, cell_file: str) -> None:

@@ -162,8 +162,9 @@ def _still_ours(sid: int, folder: SessionDir) -> bool:
         if os.getsid(sid) != sid:
             return False  # a newcomer: what was left of the session is gone
         cmdline = leader.cmdline()
-        # the controller and an engine name the folder; the agent, forked from the forkserver, is named torchrun
-        return not cmdline or str(folder.path) in " ".join(cmdline) or leader.name() == "torchrun"
+        # the controller and an engine name the folder; the agent (forked: the forkserver's command line) is
+        # named by torchrun's main, as worker._is_torchrun_agent checks
+        return not cmdline or str(folder.path) in " ".join(cmdline) or leader.name() == "pt_elastic"
     except (psutil.NoSuchProcess, ProcessLookupError):
         return True  # the leader is gone: what it started may be left in its session
     except (psutil.Error, OSError):
