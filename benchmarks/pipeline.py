@@ -35,7 +35,7 @@ torch.manual_seed(1)
 x, y = torch.randn(batch, 64, device=device), torch.randn(batch, 8, device=device)
 pad = {"F": ms / 1e3, "B": 2 * ms / 1e3}
 p = world_size
-pp.pipeline_step("1F1B", p, x, y, model=pp.course_model().to(device))  # warm-up
+pp.schedule_step("1F1B", p, x, y, model=pp.course_model().to(device))  # warm-up
 runs = []
 for repeat in range(repeats):
     for m in microbatches:
@@ -43,7 +43,7 @@ for repeat in range(repeats):
             if schedule == "interleaved 1F1B" and m % p:
                 continue
             dist.barrier()
-            record, _ = pp.pipeline_step(schedule, m, x, y, min_seconds=pad, model=pp.course_model().to(device))
+            record, _ = pp.schedule_step(schedule, m, x, y, min_seconds=pad, model=pp.course_model().to(device))
             runs.append((schedule, m, repeat, record.events, record.peak))
 
 versus = []
@@ -55,7 +55,7 @@ if versus_torch:
     runners = {}
     for schedule, kind in (("GPipe", ScheduleGPipe), ("1F1B", Schedule1F1B)):  # built once, like a training loop
         stage = PipelineStage(pp.split_into_stages(models["torch"], p)[rank], rank, p, device)
-        runners[schedule] = kind(stage, n_microbatches=2 * p, loss_fn=pp.loss_fn)
+        runners[schedule] = kind(stage, n_microbatches=2 * p, loss_fn=pp.mse_loss)
 
     def torch_step(runner):
         if rank == 0:
@@ -71,7 +71,7 @@ if versus_torch:
                 dist.barrier()
                 start = time.perf_counter()
                 if who == "ours":
-                    pp.pipeline_step(schedule, 2 * p, wide_x, wide_y, model=models["ours"])
+                    pp.schedule_step(schedule, 2 * p, wide_x, wide_y, model=models["ours"])
                 else:
                     torch_step(runners[schedule])
                 elapsed = torch.tensor([time.perf_counter() - start])

@@ -1,6 +1,4 @@
-"""course_lib: the library behind the distributed-training notebooks (`%load_ext course_lib`: `%%torchrun`, `%dist`).
-
-Importing the package stays cheap (no torch, no IPython): every rank imports it at start-up."""
+"""course_lib: the notebooks' library (`%load_ext course_lib`); importing it stays cheap (no torch): every rank does."""
 
 from typing import Any
 

@@ -1,6 +1,4 @@
-"""Every communication a rank makes, seen by a TorchDispatchMode on the c10d ops, and what each costs on the wire.
-
-A from-scratch collective names itself (`collective`), so a recorder counts one op and marks its sends as inside it."""
+"""Every c10d op a rank makes (seen by a TorchDispatchMode) and its wire cost; a from-scratch `collective` is one op."""
 
 from __future__ import annotations
 

@@ -174,7 +174,7 @@ def zero_bubble_program(rank, world_size):  # sent to the ranks by run_source
     report = {}
     for m in (world_size, 12):
         ref_loss, expected = pp.reference_stage_gradients(pp.course_model(), world_size, x, y)
-        record, ours = pp.pipeline_step(pp.ZERO_BUBBLE, m, x, y)
+        record, ours = pp.schedule_step(pp.ZERO_BUBBLE, m, x, y)
         report[m] = dict(
             error=pp.max_gradient_error(ours, expected),
             peak=record.peak,

@@ -12,9 +12,7 @@ from course_lib.activations.formulas import (
 )
 from course_lib.activations.lab import (
     MODELS,
-    RUNGS,
     LiveBytes,
-    Setup,
     attention_backend,
     cuda_memory,
     cuda_memory_report,
@@ -25,10 +23,8 @@ from course_lib.activations.lab import (
     draw_layer_bytes,
     draw_recompute,
     draw_tensor_parallel_bytes,
-    estimate,
     explorer_curves,
     head_multiple,
-    ladder,
     layer_bytes,
     loss_of,
     measure_step,
@@ -38,8 +34,12 @@ from course_lib.activations.lab import (
     time_steps,
 )
 from course_lib.activations.oom import (
+    RUNGS,
+    Setup,
     allocation_scale,
     attempt,
+    estimate,
+    ladder,
     memory_limit,
     oom_message,
     train_step,

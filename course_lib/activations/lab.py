@@ -1,12 +1,10 @@
-"""Notebook 05's lab: what autograd saved and the bytes alive, what the ranks measure, the estimate per GPU and the
-ladder of fixes, and the kernel-side figures and explorer."""
+"""Notebook 05's lab: what autograd saved and the bytes alive, what the ranks measure, and the kernel-side figures."""
 
 from __future__ import annotations
 
 import functools
 import statistics
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,7 +22,6 @@ from course_lib.activations.formulas import (
 )
 from course_lib.compare import full_gradients, local_tensor, saved_activation_bytes
 from course_lib.launch.runtime import seconds_in_turns
-from course_lib.memory import GB, zero_bytes_per_gpu
 from course_lib.models import BLOCK
 from course_lib.precision.inspection import DTYPE_NAMES
 
@@ -32,14 +29,8 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
 
-# Looking at activation memory on any device: the tensors autograd saved, and the bytes alive at each moment.
-#
-# - `saved_tensors`: walk the autograd graph from an output and list every tensor its nodes saved (which op,
-#   shape, dtype, bytes), each storage once: what `compare.saved_activation_bytes` counts, named.
-# - `LiveBytes`: a dispatch mode that records every tensor an op creates and, after each op, how many of their
-#   bytes are still alive: the bytes held at any moment and their peak, on the CPU as on a GPU, and whatever keeps
-#   a tensor alive (autograd's saved tensors, a checkpoint's inputs, selective checkpointing's cache).
-# - `counted_matmul_flops`: the FLOPs of the matmuls a function runs, forward and backward (torch's FlopCounterMode).
+# Activation memory on any device: the tensors autograd saved (what `compare.saved_activation_bytes` counts, named),
+# and the bytes alive after each op and their peak, whatever keeps a tensor alive (saved tensors, checkpoint inputs).
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -93,7 +84,6 @@ class LiveBytes(TorchDispatchMode):
         self.tensors: dict[int, tuple[StorageWeakRef, int]] = {}
         self.communication: set[int] = set()  # storages handed to a c10d collective
         self.peak = 0
-        self.marks: dict[str, int] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -115,10 +105,6 @@ class LiveBytes(TorchDispatchMode):
         kept = self.tensors if communication else {k: v for k, v in self.tensors.items() if k not in self.communication}
         return sum(_current_nbytes(ref, n) for ref, n in kept.values())
 
-    def mark(self, name: str) -> int:
-        self.marks[name] = self.now()
-        return self.marks[name]
-
 
 def counted_matmul_flops(fn: Callable[[], Any]) -> int:
     """FLOPs of the matmuls (linear layers, bmm, attention where torch has a formula) that fn() runs."""
@@ -129,11 +115,8 @@ def counted_matmul_flops(fn: Callable[[], Any]) -> int:
     return int(counter.get_total_flops())
 
 
-# What the notebook measures on each rank: bytes saved per layer, and what recomputation saves and costs.
-#
-# Everything runs on `device` (the CPU with gloo, the rank's GPU with nccl). Bytes are counted from the tensors
-# (`compare.saved_activation_bytes`, `LiveBytes`) and FLOPs from the ops (`counted_matmul_flops`),
-# so both are the same under any load; time is measured too, and only compared as ratios within one run.
+# What each rank measures: bytes saved per layer, what recomputation saves and costs. Bytes and FLOPs are counted,
+# so they hold under any load; time is measured too, and only compared as ratios within one run.
 
 
 def attention_backend(attention: str) -> Any:
@@ -143,18 +126,21 @@ def attention_backend(attention: str) -> Any:
     return sdpa_kernel(SDPBackend.FLASH_ATTENTION if attention == "flash" else SDPBackend.MATH)
 
 
-def element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def stats_bytes(dtype: torch.dtype, device: torch.device) -> int:
     """Bytes of LayerNorm's saved mean and 1/σ: fp32 on CUDA for 16-bit inputs, the input's dtype on the CPU."""
-    return 4 if device.type == "cuda" else element_size(dtype)
+    return 4 if device.type == "cuda" else dtype.itemsize
 
 
 def head_multiple(device: torch.device) -> int:
     """CUDA's fused attention pads each head to a multiple of 8 values; the CPU's does not."""
     return 8 if device.type == "cuda" else 1
+
+
+def _block_options(dtype: torch.dtype, device: torch.device) -> dict[str, int]:
+    """course_block_bytes' options for a block in `dtype` on `device`."""
+    return dict(
+        element_bytes=dtype.itemsize, stats_bytes=stats_bytes(dtype, device), head_multiple=head_multiple(device)
+    )
 
 
 def layer_bytes(
@@ -168,23 +154,14 @@ def layer_bytes(
     x = torch.randn(b, s, BLOCK.d_model, device=device, dtype=dtype, requires_grad=True)
     with attention_backend(attention):
         measured = saved_activation_bytes(block, x)
-    derived = course_block_bytes(
-        s,
-        b,
-        element_bytes=element_size(dtype),
-        stats_bytes=stats_bytes(dtype, device),
-        attention=attention,
-        head_multiple=head_multiple(device),
-    )
+    derived = course_block_bytes(s, b, attention=attention, **_block_options(dtype, device))
     return {"s": s, "b": b, "measured": measured, "derived": derived}
 
 
 def derived_held(mode: str, layers: int, s: int, b: int, dtype: torch.dtype, device: torch.device) -> float:
     """Bytes `layers` blocks hold after the forward under `mode` (formulas.stack_bytes, flash attention)."""
-    e, multiple = element_size(dtype), head_multiple(device)
-    per_layer = course_block_bytes(
-        s, b, element_bytes=e, stats_bytes=stats_bytes(dtype, device), head_multiple=multiple
-    )
+    e, multiple = dtype.itemsize, head_multiple(device)
+    per_layer = course_block_bytes(s, b, **_block_options(dtype, device))
     selective = selective_block_bytes(
         s, b, BLOCK.d_model, BLOCK.n_heads, BLOCK.d_ff, element_bytes=e, head_multiple=multiple
     )
@@ -235,10 +212,8 @@ def cuda_memory(fn: Callable[[], Any], device: torch.device) -> dict[str, int]:
     torch.cuda.reset_peak_memory_stats(device)
     fn()
     torch.cuda.synchronize(device)
-    return {
-        "peak": torch.cuda.max_memory_allocated(device) - before,
-        "end": torch.cuda.memory_allocated(device) - before,
-    }
+    peak, end = torch.cuda.max_memory_allocated(device), torch.cuda.memory_allocated(device)
+    return {"peak": peak - before, "end": end - before}
 
 
 def cuda_memory_report(step: Callable[[], Any], device: torch.device, snapshot_path: str) -> dict[str, Any]:
@@ -254,80 +229,6 @@ def cuda_memory_report(step: Callable[[], Any], device: torch.device, snapshot_p
     events = sum(len(trace) for trace in snapshot["device_traces"])
     summary = torch.cuda.memory_summary(device, abbreviated=True)
     return {**usage, "events": events, "segments": len(snapshot["segments"]), "summary": summary}
-
-
-# The out-of-memory procedure's first and last steps: estimate bytes per GPU, then climb the ladder of fixes.
-#
-# estimate = parameters + gradients + optimizer state (`memory.zero_bytes_per_gpu`, ZeRO's model)
-#          + activations (`formulas.course_block_terms` per layer, times the layers, under a recomputation mode).
-#
-# Each rung keeps the previous ones and changes one thing, cheapest first; its cost is what it trades for memory.
-
-
-@dataclass(frozen=True)
-class Setup:
-    """A GPT-like stack of course TransformerBlocks (d_ff = 4h), trained with bf16 mixed precision and Adam."""
-
-    hidden: int = 4096
-    heads: int = 32
-    layers: int = 32
-    seq: int = 4096
-    micro_batch: int = 4
-    gpus: int = 8
-    recompute: str = "none"  # none | selective | full
-    zero_stage: int = 0
-    offload_optimizer: bool = False
-    tensor_parallel: int = 1  # with sequence parallelism
-
-    @property
-    def parameters(self) -> float:
-        return 12 * self.hidden**2 * self.layers  # attention 4h² + feed-forward 8h² per layer
-
-
-def estimate(setup: Setup, element_bytes: int = 2, stats_bytes: int = 4) -> dict[str, float]:
-    """Bytes per GPU: parameters, gradients, optimizer state (ZeRO over the data-parallel GPUs) and activations."""
-    t = setup.tensor_parallel
-    states = zero_bytes_per_gpu(setup.parameters / t, setup.gpus // t, setup.zero_stage)
-    if setup.offload_optimizer:
-        states["optimizer"] = 0.0  # lives in CPU memory; the CPU runs the Adam step
-    s, b, h = setup.seq, setup.micro_batch, setup.hidden
-    shape: dict[str, Any] = {"h": h, "a": setup.heads, "d_ff": 4 * h, "element_bytes": element_bytes}
-    per_layer = course_block_bytes(s, b, **shape, stats_bytes=stats_bytes, t=t, sequence_parallel=True)
-    block_input = element_bytes * s * b * h / t
-    selective = selective_block_bytes(s, b, h, setup.heads, 4 * h, element_bytes=element_bytes) / t
-    activations = stack_bytes(per_layer, setup.layers, block_input, setup.recompute, selective)["peak"]
-    out = {
-        "params": states["params"],
-        "grads": states["grads"],
-        "optimizer": states["optimizer"],
-        "activations": activations,
-    }
-    out["total"] = sum(out.values())
-    return out
-
-
-RUNGS: list[tuple[str, dict[str, Any], str]] = [
-    (
-        "smaller micro-batch (4 -> 1)",
-        {"micro_batch": 1},
-        "4x the accumulation steps; smaller matmuls run less efficiently",
-    ),
-    ("full recomputation", {"recompute": "full"}, "one more forward per step: about +33% compute"),
-    ("ZeRO-3 / FSDP over the GPUs", {"zero_stage": 3}, "all-gathers every layer's weights twice: 1.5x DDP's traffic"),
-    ("offload the optimizer state", {"offload_optimizer": True}, "states cross PCIe every step; the CPU runs Adam"),
-    ("tensor + sequence parallel (t = 8)", {"tensor_parallel": 8}, "collectives inside every layer: NVLink only"),
-]
-
-
-def ladder(setup: Setup, gpu_bytes: float = 80 * GB) -> list[dict[str, Any]]:
-    """The baseline, then each rung of RUNGS applied on top of the previous ones: bytes per GPU, fits, cost."""
-    rows: list[dict[str, Any]] = [{"rung": "baseline (DDP)", "setup": setup, **estimate(setup), "cost": "-"}]
-    for name, change, cost in RUNGS:
-        setup = replace(setup, **change)
-        rows.append({"rung": name, "setup": setup, **estimate(setup), "cost": cost})
-    for row in rows:
-        row["fits"] = row["total"] <= gpu_bytes
-    return rows
 
 
 # Kernel-side figures of notebook 05: bytes per layer against the formulas, what recomputation trades, the
@@ -419,11 +320,8 @@ def draw_explorer(seq: int = 4096, batch: int = 1, layers: int = 32, model: str 
     ax.axhline(80, color="black", ls=":", label="80 GB GPU")
     ax.set_ylim(0, 1.15 * max(80.0, max(curves["none"])))
     ax.set(xlabel="sequence length s", ylabel="GB of activations (peak)")
-    ax.set_title(
-        f"{model}, {layers} layers, micro-batch {batch}, s={seq}: "
-        + ", ".join(f"{m} {v:.1f} GB" for m, v in chosen.items()),
-        fontsize=9,
-    )
+    summary = ", ".join(f"{m} {v:.1f} GB" for m, v in chosen.items())
+    ax.set_title(f"{model}, {layers} layers, micro-batch {batch}, s={seq}: {summary}", fontsize=9)
     ax.legend(fontsize=8)
     plt.show()
 

@@ -1,5 +1,4 @@
-"""What makes a checkpoint complete or absent, shared by every saver; the integrity checks and which checkpoint to
-resume from; and the classic pattern: gather the full state, rank 0 saves it in one file."""
+"""Complete-or-absent checkpoints for every saver, integrity checks, which to resume, and rank 0's full-state save."""
 
 from __future__ import annotations
 

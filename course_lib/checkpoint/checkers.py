@@ -1,5 +1,4 @@
-"""Notebook 06's exercise checkers: verify one checkpoint together, each rank reading its share; resume from the
-newest complete checkpoint."""
+"""Notebook 06's checkers: verify a checkpoint together, each rank reading its share; resume the newest complete one."""
 
 from __future__ import annotations
 

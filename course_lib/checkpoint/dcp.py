@@ -1,5 +1,4 @@
-"""torch's distributed checkpoint (DCP): every rank writes its own shards, one index says where each piece lives;
-out to Hugging Face safetensors and back through it, and two ways to start every layout from the same weights."""
+"""torch DCP (each rank writes its shards, one index maps them), safetensors out and back, and same-weights starts."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Per-step fault tolerance with torchft: replica groups that keep training when one of them dies (rank side);
-and fewer synchronisations, LocalSGD and DiLoCo against DDP, the bytes of every all-reduce counted."""
+"""torchft replica groups that train on when one dies (rank side); LocalSGD and DiLoCo against DDP, bytes counted."""
 
 from __future__ import annotations
 

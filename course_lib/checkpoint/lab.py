@@ -1,5 +1,4 @@
-"""Notebook 06's lab, kernel side: the elastic run (two torchrun agents on one rendezvous), the torchft replica
-runs, and the figures."""
+"""Notebook 06's lab, kernel side: the elastic run (two torchrun agents, one rendezvous), torchft runs, the figures."""
 
 from __future__ import annotations
 
@@ -28,16 +27,9 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 
-# Elastic membership on one machine: two torchrun agents (two "nodes") join and leave one c10d rendezvous.
-#
-#     torchrun --nnodes 1:2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT --max-restarts K
-#
-# Node 0 hosts the rendezvous store and trains alone; node 1 starts and joins (node 0's agent sees it waiting
-# and restarts the group at world size 2); node 1 is then stopped (SIGTERM to its agent, as a scheduler
-# preempting it would), node 0's workers lose their peer, and its agent restarts the group at world size 1
-# once the rendezvous has dropped the dead node (its heartbeats stopped). The rank side is
-# :func:`~course_lib.checkpoint.train.train_elastic`. Everything started here is ended by process
-# group and recorded pid, whatever happens, within a hard overall timeout.
+# Elastic membership on one machine: two torchrun agents (`--nnodes 1:2`, "nodes") join and leave one c10d
+# rendezvous that node 0 hosts; each change restarts the group at the new world size (rank side: train_elastic).
+# Everything started here is ended by process group and recorded pid, whatever happens, within a hard timeout.
 
 # Rendezvous settings (torchrun --rdzv-conf): generous to join, quick to drop a dead node and to close a round.
 RDZV_CONF = "join_timeout=300,last_call_timeout=3,close_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=5"
@@ -87,16 +79,8 @@ def segments(events: list[dict]) -> list[Segment]:
     for event in [*events, {"event": "start"}]:  # a sentinel closes the last start
         if event["event"] == "start":
             if start is not None and steps:
-                found.append(
-                    Segment(
-                        start["world"],
-                        start["step"] if start["saved_by"] else None,
-                        start["saved_by"],
-                        start["restarts"],
-                        tuple(s for s, _ in steps),
-                        tuple(loss for _, loss in steps),
-                    )
-                )
+                resumed_from = start["step"] if start["saved_by"] else None
+                found.append(Segment(start["world"], resumed_from, start["saved_by"], start["restarts"], *zip(*steps)))
             start, steps = event, []
         elif event["event"] == "step":
             steps.append((event["step"], event["loss"]))
@@ -117,23 +101,16 @@ def _free_port() -> int:
 
 def _end(nodes: list[Node]) -> list[int]:
     """End both nodes' agents and workers (process group, recorded pids); the pids of any still alive."""
-    from course_lib.debugging import processes_of
-
     for node in nodes:
         if node.proc is not None:
             processes.end_run(node.proc, node.run)
     for node in nodes:
         if node.pump is not None:
             node.pump.join(timeout=10)
-    left = [pid for node in nodes for pid in processes_of(str(node.run.path))]
+    left = [pid for node in nodes for pid in processes.running(node.run.pids(), node.run.path)]
     for node in nodes:
         node.run.remove()
     return left
-
-
-def read_events(root: Path) -> list[dict]:
-    """Rank 0's log so far."""
-    return read_json_lines(root / EVENTS)
 
 
 def read_json_lines(path: Path) -> list[dict]:
@@ -217,8 +194,16 @@ def _add_notes(error: BaseException, nodes: list[Node], ended: str) -> None:
     error.add_note(f"processes left behind after ending {ended}: {_end(nodes)}")
 
 
+def _begin(root: str | os.PathLike, timeout_s: float) -> tuple[Path, float, float]:
+    """`root`, made if absent; the time now and the deadline `timeout_s` from now (time.monotonic)."""
+    Path(root).mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    return Path(root), start, start + timeout_s
+
+
 def _paused(root: Path, step: int, world: int) -> Callable[[], bool]:
-    return lambda: any(e["event"] == "pause" and e["step"] == step and e["world"] == world for e in read_events(root))
+    log = root / EVENTS
+    return lambda: any(e["event"] == "pause" and (e["step"], e["world"]) == (step, world) for e in read_json_lines(log))
 
 
 def run_elastic(
@@ -231,10 +216,7 @@ def run_elastic(
     timeout_s: float = 240.0,
 ) -> ElasticRun:
     """Train on node 0 to `pauses[0]`, add node 1, train to `pauses[1]`, stop node 1, train to the end."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    start = time.monotonic()
-    deadline = start + timeout_s
+    root, start, deadline = _begin(root, timeout_s)
     body = (
         "from course_lib.checkpoint import train_elastic\n"
         f"train_elastic({str(root)!r}, {total_steps}, {tuple(pauses)!r}, backend={backend!r})\n"
@@ -257,7 +239,7 @@ def run_elastic(
     left = _end(nodes)
     references = {w: json.loads((root / f"reference_{w}.json").read_text()) for w in (1, 2)}
     return ElasticRun(
-        events=read_events(root),
+        events=read_json_lines(root / EVENTS),
         references=references,
         agent_lines={n.name: n.lines for n in nodes},
         exit_codes={n.name: n.exit_code for n in nodes},
@@ -266,11 +248,8 @@ def run_elastic(
     )
 
 
-# Replica groups started from the kernel: one one-rank torchrun run each, a torchft lighthouse in this process.
-#
-# The machinery is section 10's (above: start, kill by recorded pid, end, check that nothing is
-# left); the lighthouse is torchft's ``LighthouseServer``, a Rust thread, no process. :func:`run_torchft` is the
-# failure run of section 11, :func:`compare_sync` the runs of section 12.
+# Replica groups started from the kernel with the machinery above: one one-rank torchrun run each, and torchft's
+# lighthouse in this process (a Rust thread). run_torchft is the failure run, compare_sync the synchronisation runs.
 
 
 @dataclass
@@ -283,8 +262,9 @@ class TorchftRun:
     wall_s: float
 
 
-def _replica(name: str, body: str, timeout_s: float) -> Node:
-    """One replica group: a one-rank torchrun run of its own, gloo on the CPU (torchft's ProcessGroupGloo)."""
+def _replica(name: str, call: str, timeout_s: float) -> Node:
+    """One replica group running fault_tolerance.`call`: a one-rank torchrun run, gloo on the CPU (ProcessGroupGloo)."""
+    body = f"from course_lib.checkpoint import fault_tolerance\nfault_tolerance.{call}\n"
     return _prepared(name, RunSpec.create(nproc=1, backend="gloo", init=False, timeout=timeout_s, env=QUIET), body)
 
 
@@ -299,11 +279,6 @@ def _lighthouse() -> tuple[Any, str]:
     return server, f"http://127.0.0.1:{port}"
 
 
-def _body(module: str, call: str) -> str:
-    """The cell a replica's torchrun run executes: one call into a module of this package."""
-    return f"from course_lib.checkpoint import {module}\n{module}.{call}\n"
-
-
 def run_torchft(
     root: str | os.PathLike,
     *,
@@ -313,29 +288,14 @@ def run_torchft(
     timeout_s: float = 120.0,
 ) -> TorchftRun:
     """Kill replica 1 before `kill_at`, restart it to heal from replica 0 at `rejoin_at`, then both to `total_steps`."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    start = time.monotonic()
-    deadline = start + timeout_s
+    root, start, deadline = _begin(root, timeout_s)
     lighthouse, address = _lighthouse()
-    steps = f"{total_steps}, limit_s={timeout_s}"
-    first = _replica(
-        "replica 0",
-        _body(
-            "fault_tolerance", f"train_replica({str(root)!r}, 0, {address!r}, {steps}, wait_for_rejoin_at={rejoin_at})"
-        ),
-        timeout_s,
+    call = lambda r, extra: (
+        f"train_replica({str(root)!r}, {r}, {address!r}, {total_steps}, limit_s={timeout_s}, {extra})"
     )
-    second = _replica(
-        "replica 1",
-        _body("fault_tolerance", f"train_replica({str(root)!r}, 1, {address!r}, {steps}, pause_at={kill_at})"),
-        timeout_s,
-    )
-    again = _replica(
-        "replica 1 again",
-        _body("fault_tolerance", f"train_replica({str(root)!r}, 1, {address!r}, {steps}, rejoining=True)"),
-        timeout_s,
-    )
+    first = _replica("replica 0", call(0, f"wait_for_rejoin_at={rejoin_at}"), timeout_s)
+    second = _replica("replica 1", call(1, f"pause_at={kill_at}"), timeout_s)
+    again = _replica("replica 1 again", call(1, "rejoining=True"), timeout_s)
     nodes = [first, second, again]
     log0, log1 = root / "replica_0.jsonl", root / "replica_1.jsonl"
     try:
@@ -385,20 +345,11 @@ class SyncComparison:
 
 def compare_sync(root: str | os.PathLike, *, steps: int = 24, timeout_s: float = 120.0) -> SyncComparison:
     """Run :func:`train_synced` on two replicas (one torchrun run each, a lighthouse per run in this process)."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    deadline = time.monotonic() + timeout_s
+    root, _, deadline = _begin(root, timeout_s)
     started = {name: _lighthouse() for name in SYNC_RUNS}
-    servers = {name: server for name, (server, _) in started.items()}
     addresses = {name: address for name, (_, address) in started.items()}
-    nodes = [
-        _replica(
-            f"replica {r}",
-            _body("fault_tolerance", f"train_synced({str(root)!r}, {r}, {addresses!r}, {steps}, limit_s={timeout_s})"),
-            timeout_s,
-        )
-        for r in (0, 1)
-    ]
+    call = lambda r: f"train_synced({str(root)!r}, {r}, {addresses!r}, {steps}, limit_s={timeout_s})"
+    nodes = [_replica(f"replica {r}", call(r), timeout_s) for r in (0, 1)]
     try:
         for node in nodes:
             _start(node, deadline)
@@ -407,15 +358,14 @@ def compare_sync(root: str | os.PathLike, *, steps: int = 24, timeout_s: float =
         _add_notes(error, nodes, "every replica")
         raise
     finally:
-        for server in servers.values():
+        for server, _ in started.values():
             server.shutdown()
     left = _end(nodes)
     records = [json.loads((root / f"synced_{r}.json").read_text()) for r in (0, 1)]
     return SyncComparison(records[0], steps, records[0] == records[1], left)
 
 
-# Kernel side (figures only): the loss curve of an elastic run against uninterrupted runs; who reads which rows
-# when a checkpoint is loaded at another world size.
+# Kernel side (figures only): the loss curve of an elastic run against uninterrupted runs.
 
 
 def plot_elastic(segments: list[Segment], references: dict[int, list[float]]) -> Figure:
@@ -445,7 +395,6 @@ def plot_elastic(segments: list[Segment], references: dict[int, list[float]]) ->
 def draw_reads(saved_world: int, loading_world: int, rows: int) -> None:
     """Which rows each loading rank reads from which saved shard file: as a row layout (left) and as counts (right)."""
     import matplotlib.pyplot as plt
-    import torch
 
     plan = read_plan(rows, saved_world, loading_world)
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3), gridspec_kw={"width_ratios": [3, 2]})
@@ -467,10 +416,9 @@ def draw_reads(saved_world: int, loading_world: int, rows: int) -> None:
     left.set(xlim=(0, rows), ylim=(-0.6, 2), xlabel="row of the tensor")
     left.set_title("colour = the saved file each row is read from")
     right.imshow(matrix, cmap="Blues", aspect="auto")
-    for (i, j), value in zip(
-        torch.cartesian_prod(torch.arange(loading_world), torch.arange(saved_world)).tolist(), matrix.flatten().tolist()
-    ):
-        right.text(j, i, f"{value:g}", ha="center", va="center", fontsize=8)
+    for i, row in enumerate(matrix.tolist()):
+        for j, value in enumerate(row):
+            right.text(j, i, f"{value:g}", ha="center", va="center", fontsize=8)
     right.set_xticks(range(saved_world))
     right.set_yticks(range(loading_world))
     right.set(xlabel="saved shard", ylabel="loading rank", title="rows read")

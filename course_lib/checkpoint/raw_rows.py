@@ -1,5 +1,4 @@
-"""The shard files of our checkpointer: rows of tensors as raw bytes, with a CRC-32 per row.
-A loading rank reads only its rows, so it can check only what it read: one checksum per row, not per file."""
+"""Our checkpointer's shard files: rows of raw tensor bytes, a CRC-32 per row, as a rank checks only rows it reads."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The training the examples share, the fault-tolerant and elastic loops, and the stall a save causes.
-Batches are a pure function of the step (data.batch_for_step), so resumed and restarted runs compare bit for bit."""
+"""Shared, fault-tolerant and elastic training, a save's stall; batches follow the step, so resumes match bitwise."""
 
 from __future__ import annotations
 

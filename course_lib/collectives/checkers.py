@@ -1,5 +1,4 @@
-"""Notebook 01's exercise checkers: ring reduce-scatter and all-gather from send/recv, and a deadlock-free token pass.
-torch's collectives are off and messages held to a ring's; solutions: notebooks/solutions/01_collectives.py."""
+"""Notebook 01's checkers: ring reduce-scatter and all-gather from send/recv, a deadlock-free token pass."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Notebook 01's lab: a collective on the session's live ranks, the ring simulated step by step and its
-pictures, and the benchmark of torch's collectives against the from-scratch ring."""
+"""Notebook 01's lab: a collective on the live ranks, the ring simulated step by step, torch's collectives timed."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Notebook 01: the ring collectives, built from send/recv only, so every byte they move is visible, and what a
-collective costs: bytes sent per rank and the alpha-beta time model."""
+"""Ring collectives from send/recv only, so every byte moved is visible; bytes per rank, the alpha-beta time model."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""Notebook 13: data, tensor and pipeline parallelism composed on one DeviceMesh.
-
-Each parallelism is a function over one mesh dimension; the planner's counts are checked on (simulated) ranks."""
+"""Notebook 13: data, tensor and pipeline parallelism composed on one DeviceMesh, one function per mesh dimension."""
 
 from course_lib.compose import runs
 from course_lib.compose.checkers import check_accumulate, check_micro_batches, check_my_coordinates

@@ -1,6 +1,4 @@
-"""Notebook 13's rank grid (by hand and as a DeviceMesh) and each parallelism as a function over one mesh dimension.
-
-The composed model must train exactly as one process does: :func:`reference_grads` is that process."""
+"""Notebook 13's rank grid and one function per parallelism; reference_grads is the one process they must match."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""A planner for real clusters (kernel-only): memory, bytes and time per GPU for a (dp, tp, pp, cp, v) choice.
-
-Bytes follow ``comms.RING``, the cost table notebook 13 counts on ranks, so small layouts assert the planner."""
+"""Kernel-only planner: memory, bytes, time per GPU for (dp, tp, pp, cp, v); bytes follow comms.RING, as ranks count."""
 
 from __future__ import annotations
 

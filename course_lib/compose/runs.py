@@ -1,6 +1,4 @@
-"""Published training runs against the planner: a step-time model and its predicted MFU beside the paper's figure.
-
-Compute runs at a large matmul's speed; TP, PP and DP traffic is exposed, FSDP's costs only what exceeds compute."""
+"""Published runs against the planner's step-time model and MFU; FSDP traffic costs only what exceeds compute."""
 
 from __future__ import annotations
 

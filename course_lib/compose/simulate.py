@@ -1,6 +1,4 @@
-"""Layouts of many ranks in one process: torch's fake backend plays each rank of an N-rank job in turn.
-
-Shards and collective calls are real, values and times are not; a fake recv is empty, so stages run as dp x tp."""
+"""N-rank layouts in one process on torch's fake backend: real shards and calls, fake values; a fake recv is empty."""
 
 from __future__ import annotations
 

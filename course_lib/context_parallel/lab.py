@@ -1,5 +1,4 @@
-"""Notebook 10's lab, part 1: ring attention timed on a group, torch's own context parallelism, and the
-kernel-side figures and explorer."""
+"""Notebook 10's lab, part 1: ring attention timed on a group, torch's own context parallelism, figures, explorer."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Which tokens each rank holds (contiguous chunks, or the zig-zag layout that balances causal attention), and
-context parallelism on paper: bytes each rank sends per attention layer, memory it keeps, when the ring hides."""
+"""Tokens per rank (contiguous, or zig-zag to balance causal work), and CP's bytes, memory and overlap on paper."""
 
 from __future__ import annotations
 

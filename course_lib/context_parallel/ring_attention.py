@@ -1,5 +1,4 @@
-"""Ring attention from scratch: queries stay home, K/V blocks travel around the ring, the online softmax merges;
-and the course's TransformerBlock on it, each rank running the block on its own tokens."""
+"""Ring attention: queries stay, K/V blocks circle the ring, an online softmax merges; the course's block on it."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Notebook 02's exercise checkers, run on every rank (the solutions: notebooks/solutions/02_ddp.py).
-No `from __future__ import annotations`: register_comm_hook compares a hook's annotations with the real classes."""
+"""Notebook 02's exercise checkers; no __future__ annotations: register_comm_hook compares them with real classes."""
 
 from collections.abc import Callable, Iterator
 

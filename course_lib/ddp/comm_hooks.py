@@ -1,5 +1,4 @@
-"""torch DDP's communication hooks: compressing the all-reduce (fp16, bf16, PowerSGD), and timing it.
-No `from __future__ import annotations`: register_comm_hook compares a hook's annotations with the real classes."""
+"""DDP comm hooks (fp16, bf16, PowerSGD) and their timing; no __future__ annotations: register_comm_hook checks them."""
 
 import copy
 from collections.abc import Callable

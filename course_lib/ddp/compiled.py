@@ -1,5 +1,4 @@
-"""Notebook 02, section 9: torch.compile under DDP.
-DDPOptimizer cuts the forward where DDP's buckets end, so each bucket's all-reduce starts when its graph ends."""
+"""torch.compile under DDP: DDPOptimizer cuts graphs at bucket ends, so each bucket's all-reduce starts early."""
 
 from __future__ import annotations
 

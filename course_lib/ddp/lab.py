@@ -1,5 +1,4 @@
-"""Notebook 02's lab, kernel side: ring bytes, the bucket simulator and its explorer, memory per rank, and
-what dividing by N before the sum does in low precision."""
+"""Notebook 02's lab, kernel side: ring bytes, bucket simulator, memory per rank, divide-before-sum in low precision."""
 
 from __future__ import annotations
 

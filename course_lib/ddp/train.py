@@ -1,5 +1,4 @@
-"""The training harness of notebook 02: the same run single-process or data-parallel; the check that every rank
-holds rank 0's gradients, and the rank-0 snapshot."""
+"""Notebook 02's harness: one run single-process or data-parallel, the gradients-equal-rank-0 check, the snapshot."""
 
 from __future__ import annotations
 
@@ -17,8 +16,7 @@ from course_lib.ddp.minimal_ddp import unwrap
 
 
 def check_gradient_sync(model: nn.Module, atol: float = 0.0, group: dist.ProcessGroup | None = None) -> float:
-    """Assert every rank holds the same gradients as rank 0; return the largest difference seen.
-    Drifting replicas are found at the first step rather than as a worse loss much later; costs one broadcast."""
+    """Assert all ranks hold rank 0's gradients (one broadcast), so drift shows at once; return the largest gap."""
     named = [(n, p) for n, p in unwrap(model).named_parameters() if p.requires_grad]
     mine = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for _, p in named])
     reference = mine.clone()

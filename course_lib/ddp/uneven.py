@@ -1,5 +1,4 @@
-"""Ranks that differ: uneven numbers of batches (what torch's ``Join`` does, from scratch, and the run it must
-equal), and parameters without a gradient in a step (a branch not taken, and what DDP's answers cost)."""
+"""Ranks that differ: uneven batch counts (Join from scratch, and its reference run), parameters without a gradient."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from course_lib.debugging.debugger import (
     gradient_checksums,
 )
 from course_lib.debugging.environment import differing_keys, environment_report, mismatch_fingerprints
-from course_lib.debugging.hang import arm_for_diagnosis, diagnose_hang, processes_of, settled_stacks
+from course_lib.debugging.hang import arm_for_diagnosis, diagnose_hang, settled_stacks
 from course_lib.debugging.lab import (
     LiveStepPlot,
     allreduce_sizes,

@@ -1,5 +1,4 @@
-"""The exercises of notebook 14, checked on the ranks: `gradients_in_sync(model)` (implement) and
-`mean_finite_loss(loss)` (diagnose: a rank that skips a collective). Solutions: notebooks/solutions/14_*.py."""
+"""Notebook 14's checkers: gradients_in_sync (implement), mean_finite_loss (diagnose a rank skipping a collective)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""`DistributedDebugger`: a gradient-desync check (one checksum per parameter, compared with MAX and MIN), and
-NaN/Inf hooks that name where a non-finite value began."""
+"""DistributedDebugger: a desync check (per-parameter checksums, MAX vs MIN) and hooks naming where NaN/Inf began."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""A hang, diagnosed from outside as an engineer would: stack dumps of every rank, then the flight recorder (each
-rank's ring buffer of its last collectives, dumped and read back)."""
+"""A hang diagnosed from outside: every rank's stacks, then the flight recorder's buffer of its last collectives."""
 
 from __future__ import annotations
 
@@ -143,13 +142,6 @@ def settled_stacks(
         time.sleep(pause_s)
 
 
-def processes_of(run_dir: str) -> list[int]:
-    """Pids of live processes whose command line names `run_dir` (a torchrun agent of that run, its ranks)."""
-    import psutil
-
-    return running(psutil.pids(), run_dir)
-
-
 def diagnose_hang(
     body: str,
     nproc: int,
@@ -160,8 +152,6 @@ def diagnose_hang(
     timeout: float = 180.0,
 ) -> HangDiagnosis:
     """Run `body` (which calls ``arm_for_diagnosis(DIAGNOSIS_DIR)`` first, then hangs) and diagnose it."""
-    import psutil
-
     from course_lib.launch import launch
     from course_lib.launch.spec import backend_for
 
@@ -181,7 +171,6 @@ def diagnose_hang(
         pids.update({int(p.name[4:]): int(p.read_text()) for p in directory.glob("pid_*")})
         if len(pids) < nproc or found:
             return
-        found["run_dir"] = psutil.Process(pids[0]).cmdline()[-1]  # the worker's argument: the run's folder
         found["stacks"], found["rounds"] = settled_stacks(pids, deadline, still_s=still_s)
         (directory / "dump").touch()
         while len(list(directory.glob("rank_*"))) < nproc:
@@ -208,4 +197,4 @@ def diagnose_hang(
     finally:
         flight = read_flight_records(directory)
         shutil.rmtree(directory, ignore_errors=True)
-    return HangDiagnosis(found["stacks"], found["rounds"], flight, processes_of(found["run_dir"]), output)
+    return HangDiagnosis(found["stacks"], found["rounds"], flight, running(list(pids.values())), output)

@@ -1,5 +1,4 @@
-"""Notebook 14's lab: what the debug variables print (sanitized), an NCCL timeout under each error-handling
-mode, the step monitor, what a profiler trace holds, and the figures."""
+"""Notebook 14's lab: debug variables, an NCCL timeout per error mode, the step monitor, a profiler trace, figures."""
 
 from __future__ import annotations
 

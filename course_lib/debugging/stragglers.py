@@ -1,5 +1,4 @@
-"""The training run notebook 14 monitors (DDP on the course MLP, one line per step), and a straggler: one slow
-rank, every other rank waiting for it in the gradient all-reduce."""
+"""Notebook 14's monitored DDP run (a line per step), and a slow rank that all others wait for in the all-reduce."""
 
 from __future__ import annotations
 

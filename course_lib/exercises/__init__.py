@@ -1,6 +1,4 @@
-"""Checked exercises: the learner's function runs on N real ranks and is judged there against the reference.
-
-`check` sends the source, and names the checker by module, so both import on the ranks; a stub is not run at all."""
+"""Learner functions run on N real ranks and judged there; a stub is not run, and checkers are named by module."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""What exercise checkers use to see a learner's communication (record_calls) and to turn a hang into an error.
-
-Reports travel over a side gloo group (gather_reports), which the learner's calls cannot desynchronise."""
+"""Checkers see a learner's communication, turn hangs into errors; reports use a side gloo group, safe from desync."""
 
 from __future__ import annotations
 
@@ -46,12 +44,11 @@ DEADLOCK_S = 8.0  # a checked function still waiting this long in a collective, 
 
 @dataclass
 class record_calls:
-    """Wrap torch.distributed's communication: forbidden calls raise ExerciseFailed, the rest land in a comms.Recorder.
-    `bound_s` bounds only gloo sends/recvs: NCCL's wait does not block the host, so a GPU tensor's send is unbounded."""
+    """Wrap torch.distributed's communication: forbidden calls raise ExerciseFailed, the rest go to a comms.Recorder."""
 
     forbidden: Iterable[str] = ()
     advice: str = ""
-    bound_s: float | None = None
+    bound_s: float | None = None  # bounds gloo sends/recvs only: NCCL's wait does not block the host
 
     def __enter__(self) -> comms.Recorder:
         self._saved = {name: getattr(dist, name) for name in COMMUNICATION if hasattr(dist, name)}

@@ -1,5 +1,4 @@
-"""Notebook 11's lab: expert parallelism on paper (bytes, capacity, drops, imbalance), the kernel-side figures and
-explorer, and a short training run showing the load balance with and without the auxiliary loss."""
+"""Notebook 11's lab: expert parallelism on paper, the kernel's figures, a run with and without the balancing loss."""
 
 from __future__ import annotations
 

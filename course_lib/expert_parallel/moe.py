@@ -1,5 +1,4 @@
-"""A mixture-of-experts layer (its router: top-k experts per token, capacity, the load-balancing loss) on one
-process, and the same with its experts sharded over ranks."""
+"""A mixture-of-experts layer (top-k router, capacity, load-balancing loss) on one process and sharded over ranks."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Notebook 03's exercises, checked on every rank: shard a parameter and its Adam state as ZeroModel does, and the
-fixed `reduce_gradient` (this rank's shard of the averaged gradient). Solutions: notebooks/solutions/03_fsdp2.py."""
+"""Notebook 03's exercises, checked on every rank: shard a parameter and its Adam state; the fixed `reduce_gradient`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Notebook 03: ZeRO stages 0-3 from scratch, on the ring collectives of notebook 01; and torch.compile with FSDP2 in
-two orders (FSDP2's hooks are dynamo-disabled, so compiling blocks first puts graphs between them)."""
+"""ZeRO 0-3 from scratch (notebook 01's rings); compile and FSDP2 in both orders: FSDP2's hooks are dynamo-disabled."""
 
 from __future__ import annotations
 

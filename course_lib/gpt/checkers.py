@@ -1,5 +1,4 @@
-"""The exercises of notebook 15, checked on real ranks: the tied table's group for any number of stages, and
-each rank's rows of the global batch on a mesh (solutions: notebooks/solutions/15_capstone_gpt.py)."""
+"""Notebook 15's exercises, checked on real ranks: the tied table's group for any stage count; a rank's batch rows."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Notebook 15's lab: a layout's run as one %%torchrun cell runs it (train, measure, evaluate, sample), and the
-kernel's tables and figures."""
+"""Notebook 15's lab: a layout's run as a %%torchrun cell runs it (train, measure, evaluate, sample); kernel figures."""
 
 from __future__ import annotations
 

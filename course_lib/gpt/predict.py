@@ -1,5 +1,4 @@
-"""What the course's calculators predict for each layout of the capstone (memory per rank, bytes per step), and
-what a rank measures: FLOPs counted and by formula, the matmul limit, a GPU's peak."""
+"""The capstone's predictions per layout (memory per rank, bytes per step); a rank's FLOPs, matmul limit, GPU peak."""
 
 from __future__ import annotations
 

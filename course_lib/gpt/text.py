@@ -1,5 +1,4 @@
-"""The capstone's data: the course's own prose as character tokens, and a loader per rank.
-course_text.txt holds the notebooks' markdown at one commit (tools/course_text.py writes it)."""
+"""The capstone's data: the notebooks' prose as characters (course_text.txt, tools/course_text.py); a rank's loader."""
 
 from __future__ import annotations
 

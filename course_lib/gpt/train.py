@@ -1,5 +1,4 @@
-"""One training run of the capstone, the same in every layout: what a rank runs inside a %%torchrun cell; its
-checkpoint and resume, with notebook 06's DCP pieces."""
+"""The capstone's training run, the same in every layout (a %%torchrun cell runs it), with notebook 06's DCP resume."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""course_lib.pipeline (notebook 09): pipeline parallelism from scratch.
-
-A schedule is an explicit action list per rank, so it can be simulated (timeline) before it runs (execution)."""
+"""Pipeline parallelism from scratch (notebook 09): a schedule is an action list per rank, simulated before it runs."""
 
 from course_lib.pipeline.checkers import check_one_f_one_b, check_pipeline_step
 from course_lib.pipeline.execution import execute, naive_model_parallel, run_action
@@ -9,11 +7,11 @@ from course_lib.pipeline.lab import (
     draw_schedule,
     draw_v_placement,
     gradients_by_stage,
-    loss_fn,
     max_gradient_error,
-    pipeline_step,
+    mse_loss,
     plot_timeline,
     reference_stage_gradients,
+    schedule_step,
     stages_of_rank,
     torch_schedule_order,
     torch_schedule_step,

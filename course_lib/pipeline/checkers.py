@@ -1,6 +1,4 @@
-"""Notebook 09's exercise checkers: a 1F1B list judged by its properties, a pipeline step that must not deadlock.
-
-The solutions are in notebooks/solutions/09_pipeline_parallel.py, not here."""
+"""Notebook 09's exercise checkers: a 1F1B list judged by its properties; a pipeline step that must not deadlock."""
 
 from __future__ import annotations
 
@@ -17,7 +15,7 @@ from course_lib.compare import grad_of
 from course_lib.exercises import ExerciseFailed, calls_into
 from course_lib.exercises.calls import DEADLOCK_S, record_calls, run_bounded
 from course_lib.pipeline.execution import execute
-from course_lib.pipeline.lab import loss_fn, reference_stage_gradients
+from course_lib.pipeline.lab import mse_loss, reference_stage_gradients
 from course_lib.pipeline.schedules import (
     Action,
     _one_f_one_b_actions,
@@ -147,7 +145,7 @@ def _run_and_compare(actions: Sequence[Action], p: int, m: int, seed: int) -> No
     x, y = torch.randn(4 * m, 64), torch.randn(4 * m, 8)
     _, expected = reference_stage_gradients(model, p, x, y)
     mine = split_into_stages(course_model(n_units=max(p, 2), seed=seed), p)[rank]
-    execute(actions, {rank: mine}, p, list(x.chunk(m)), list(y.chunk(m)), loss_fn, (4, 64))
+    execute(actions, {rank: mine}, p, list(x.chunk(m)), list(y.chunk(m)), mse_loss, (4, 64))
     for i, (param, want) in enumerate(zip(mine.parameters(), expected[rank])):
         if not torch.allclose(grad_of(param), want, atol=1e-6, rtol=1e-4):
             raise ExerciseFailed(f"stage {rank}: gradient of parameter {i} differs from single-process training")

@@ -1,6 +1,4 @@
-"""Running a schedule for real: each rank takes its actions in order, sending activations and gradients.
-
-Sends are ``isend``; a rank only blocks in ``recv``, for data that another rank's earlier action produces."""
+"""Running a schedule: each rank takes its actions in order; sends are isend, so a rank blocks only in recv."""
 
 from __future__ import annotations
 

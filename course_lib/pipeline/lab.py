@@ -1,5 +1,4 @@
-"""Notebook 09's lab: one training step, ours and torch.distributed.pipelining's, against single-process
-training; torch's newer schedules as the course's actions; the Gantt chart and the schedule explorer."""
+"""Notebook 09's lab: a step (ours, torch's) against one process; torch's schedules as actions; Gantt, explorer."""
 
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ from course_lib.pipeline.timeline import Event, bubble_fraction, simulate
 # The reference is single-process training on the whole batch; gradients are compared stage by stage.
 
 
-def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def mse_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean squared error: the loss of every pipeline step here."""
     return nn.functional.mse_loss(output, target)
 
@@ -37,7 +36,7 @@ def reference_stage_gradients(
 ) -> tuple[float, dict[int, list[torch.Tensor]]]:
     """Single-process step on the whole batch: (loss, the gradients grouped by the stage that owns each parameter)."""
     model.zero_grad()
-    loss = loss_fn(model(x), y)
+    loss = mse_loss(model(x), y)
     loss.backward()
     return loss.item(), gradients_by_stage(dict(enumerate(split_into_stages(model, n_stages))))
 
@@ -48,7 +47,7 @@ def max_gradient_error(modules: Mapping[int, nn.Module], expected: Mapping[int, 
     return max_difference([g for s in got for g in got[s]], [g for s in got for g in expected[s]])
 
 
-def pipeline_step(
+def schedule_step(
     schedule: str,
     n_microbatches: int,
     x: torch.Tensor,
@@ -60,11 +59,7 @@ def pipeline_step(
     min_seconds: dict[str, float] | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> tuple[RunRecord, dict[int, nn.Sequential]]:
-    """One from-scratch training step of `schedule` on this rank: (its record, its stage modules).
-
-    Ranks not in `stage_ranks` (default: all) must not call it. `min_seconds` is
-    the time of a rank's whole share of the model; a virtual stage takes 1/v of it.
-    """
+    """One from-scratch training step of `schedule` on this rank of `stage_ranks` (default all): (record, stages)."""
     stage_ranks = list(stage_ranks) if stage_ranks is not None else list(range(dist.get_world_size()))
     p, rank = len(stage_ranks), stage_ranks.index(dist.get_rank())
     v = n_virtual if schedule == "interleaved 1F1B" else 1
@@ -73,12 +68,12 @@ def pipeline_step(
     if x.shape[0] % n_microbatches:
         raise ValueError(f"a batch of {x.shape[0]} does not split into {n_microbatches} equal micro-batches")
     xs, ys = list(x.chunk(n_microbatches)), list(y.chunk(n_microbatches))
-    if min_seconds:
+    if min_seconds:  # given for a rank's whole share of the model: a virtual stage takes 1/v of it
         min_seconds = {kind: seconds / v for kind, seconds in min_seconds.items()}
     first_linear = next(m for m in next(iter(modules.values())) if isinstance(m, nn.Linear))
     shape = (xs[0].shape[0], first_linear.in_features)  # every activation between stages
     record = execute(
-        actions, modules, p * v, xs, ys, loss_fn, shape, stage_ranks=stage_ranks, min_seconds=min_seconds, group=group
+        actions, modules, p * v, xs, ys, mse_loss, shape, stage_ranks=stage_ranks, min_seconds=min_seconds, group=group
     )
     return record, modules
 
@@ -100,7 +95,7 @@ def build_schedule(
     stages = [PipelineStage(module, s, n_stages, device, group=group) for s, module in sorted(modules.items())]
     kind = getattr(schedules, schedule)
     one_stage_per_rank = issubclass(kind, schedules.PipelineScheduleSingle)
-    return kind(stages[0] if one_stage_per_rank else stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
+    return kind(stages[0] if one_stage_per_rank else stages, n_microbatches=n_microbatches, loss_fn=mse_loss)
 
 
 def run_torch_step(

@@ -1,6 +1,4 @@
-"""Pipeline schedules on paper: for every rank, the ordered list of ``Action(kind, microbatch, stage)``.
-
-Schedules differ only in order; zero-bubble ones split a backward into B (input gradient) and a later W (weights)."""
+"""Schedules on paper: each rank's ordered Action(kind, microbatch, stage)s; zero-bubble splits backward into B, W."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The model of notebook 09, how it is cut into pipeline stages, and its backward split in two for zero-bubble
-schedules: B (input gradient) now, W (weight gradients) later, without going through the stage again."""
+"""Notebook 09's model cut into stages; zero-bubble's split backward: B (input gradients) now, W (weights) later."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The number formats (fp32, fp16, bf16, float8's e4m3fn and e5m2: bit layouts, what a stored number becomes), and
-which dtype each step really uses: every op under autocast, FSDP2's MixedPrecisionPolicy on the wire."""
+"""Number formats (fp32, fp16, bf16, e4m3fn, e5m2) and the dtype each step really uses: autocast's ops, FSDP2's wire."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Dynamic loss scaling from scratch: :class:`DynamicLossScaler`, what ``torch.amp.GradScaler`` does; and the
-anti-pattern notebook 04 takes apart, a hand-managed loss scale next to GradScaler."""
+"""Dynamic loss scaling from scratch (what GradScaler does), and notebook 04's anti-pattern: a hand-managed scale."""
 
 from __future__ import annotations
 

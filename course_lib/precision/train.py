@@ -1,5 +1,4 @@
-"""The training loops of notebook 04: one loop for GradScaler and DynamicLossScaler, and the loss
-curves of fp32, bf16 autocast and fp16 autocast with and without loss scaling."""
+"""Notebook 04's training loops (GradScaler or DynamicLossScaler); fp32, bf16 and fp16 (+/- scaling) loss curves."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""Notebook 00's exercise checkers: a sum over ranks, a gather, and the desynced mean-loss logger.
-Each rank gets a fresh secret value only it knows, so an answer without communication cannot be right.
-Solutions: notebooks/solutions/00_torchrun_and_process_groups.py."""
+"""Notebook 00's exercise checkers: each rank's fresh secret value means no answer is right without communicating."""
 
 from __future__ import annotations
 

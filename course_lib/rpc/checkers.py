@@ -1,5 +1,4 @@
-"""The exercises of notebook 12, checked on the workers: a counter held behind an RRef, updated by every
-trainer (implement), and a rendezvous whose round future is completed for every caller (diagnose)."""
+"""Notebook 12's exercises, checked on the workers: a counter behind an RRef; a rendezvous completing every caller."""
 
 from __future__ import annotations
 
@@ -44,41 +43,49 @@ def _read_counter(counter_rref: rpc.RRef) -> tuple[int, int]:
     return counter._stored, counter.writes_unlocked
 
 
-def check_counter(add_fn: AddFn, calls_per_trainer: int = 8, amount_base: int = 1) -> None:
-    """Checker: every trainer's concurrent add_fn updates must hold the lock, sum right and never interleave."""
+def _judged_on_owner(problem_on_owner: Callable[[int], str | None]) -> None:
+    """Every rank joins RPC; rank 0 runs `problem_on_owner(world_size)`, whose answer (if any) fails the exercise."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     start(rank, world_size)
-    problem = None
     try:
-        if rank == 0:
-            counter_rref = rpc.RRef(Counter())
-            futures = [
-                rpc.rpc_async(worker_name(r), _trainer_counts, args=(counter_rref, add_fn, r, calls_per_trainer))
-                for r in range(1, world_size)
-            ]
-            returned = [v for f in futures for v in f.wait()]
-            expected = sum(r * amount_base * calls_per_trainer for r in range(1, world_size))
-            total, unlocked = _read_counter(counter_rref)
-            if unlocked:
-                problem = (
-                    f"{unlocked} of the {len(returned)} updates wrote the counter without holding counter.lock: an "
-                    f"unlocked read-add-write loses an update whenever two RPC threads interleave, even if this run's "
-                    f"timing spared it; the exercise is to hold the lock across the read, the add and the write"
-                )
-            elif total != expected:
-                problem = (
-                    f"the counter's owner: total expected {expected}, got {total} "
-                    f"after {len(returned)} updates from {world_size - 1} trainer(s)"
-                )
-            elif sorted(returned) != sorted(set(returned)) or max(returned, default=0) != expected:
-                problem = (
-                    f"the {len(returned)} calls returned the totals {sorted(returned)}: each call "
-                    f"must return the total right after its own update (all different, the last = {expected})"
-                )
+        problem = problem_on_owner(world_size) if rank == 0 else None
     finally:
         rpc.shutdown()
     if problem:
         raise ExerciseFailed(problem)
+
+
+def check_counter(add_fn: AddFn, calls_per_trainer: int = 8, amount_base: int = 1) -> None:
+    """Checker: every trainer's concurrent add_fn updates must hold the lock, sum right and never interleave."""
+
+    def problem_on_owner(world_size: int) -> str | None:
+        counter_rref = rpc.RRef(Counter())
+        futures = [
+            rpc.rpc_async(worker_name(r), _trainer_counts, args=(counter_rref, add_fn, r, calls_per_trainer))
+            for r in range(1, world_size)
+        ]
+        returned = [v for f in futures for v in f.wait()]
+        expected = sum(r * amount_base * calls_per_trainer for r in range(1, world_size))
+        total, unlocked = _read_counter(counter_rref)
+        if unlocked:
+            return (
+                f"{unlocked} of the {len(returned)} updates wrote the counter without holding counter.lock: an "
+                f"unlocked read-add-write loses an update whenever two RPC threads interleave, even if this run's "
+                f"timing spared it; the exercise is to hold the lock across the read, the add and the write"
+            )
+        if total != expected:
+            return (
+                f"the counter's owner: total expected {expected}, got {total} "
+                f"after {len(returned)} updates from {world_size - 1} trainer(s)"
+            )
+        if sorted(returned) != sorted(set(returned)) or max(returned, default=0) != expected:
+            return (
+                f"the {len(returned)} calls returned the totals {sorted(returned)}: each call "
+                f"must return the total right after its own update (all different, the last = {expected})"
+            )
+        return None
+
+    _judged_on_owner(problem_on_owner)
 
 
 def _trainer_counts(counter_rref: rpc.RRef, add_fn: AddFn, trainer_rank: int, calls: int) -> list[int]:
@@ -144,32 +151,26 @@ def _trainer_joins(rendezvous_rref: rpc.RRef, join_fn: JoinFn, values: list[list
 
 def check_join_round(join_fn: JoinFn, rounds: int = 2, calls_per_trainer: int = 2) -> None:
     """Checker: concurrent join_fn calls, `rounds` in a row, must each get their round's sorted values from all."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    start(rank, world_size)
-    problem = None
-    try:
-        if rank == 0:
-            salt = int(torch.randint(1000, 10**6, ()))  # the values are unknown before the run
-            values = {
-                r: [[salt + 1000 * k + 10 * r + c for c in range(calls_per_trainer)] for k in range(rounds)]
-                for r in range(1, world_size)
-            }
-            rendezvous = Rendezvous(expected=calls_per_trainer * (world_size - 1))
-            rendezvous_rref = rpc.RRef(rendezvous)
-            futures = {
-                r: rpc.rpc_async(worker_name(r), _trainer_joins, args=(rendezvous_rref, join_fn, values[r]))
-                for r in values
-            }
-            replies = {r: f.wait() for r, f in futures.items()}
-            with rendezvous.lock:  # answer whatever is still pending, so that shutdown does not wait for it
-                for future in [*rendezvous.handed_out, rendezvous.round_done]:
-                    if not future.done():
-                        future.set_result(None)
-            problem = _first_wrong_reply(replies, values, rounds)
-    finally:
-        rpc.shutdown()
-    if problem:
-        raise ExerciseFailed(problem)
+
+    def problem_on_owner(world_size: int) -> str | None:
+        salt = int(torch.randint(1000, 10**6, ()))  # the values are unknown before the run
+        values = {
+            r: [[salt + 1000 * k + 10 * r + c for c in range(calls_per_trainer)] for k in range(rounds)]
+            for r in range(1, world_size)
+        }
+        rendezvous = Rendezvous(expected=calls_per_trainer * (world_size - 1))
+        rendezvous_rref = rpc.RRef(rendezvous)
+        futures = {
+            r: rpc.rpc_async(worker_name(r), _trainer_joins, args=(rendezvous_rref, join_fn, values[r])) for r in values
+        }
+        replies = {r: f.wait() for r, f in futures.items()}
+        with rendezvous.lock:  # answer whatever is still pending, so that shutdown does not wait for it
+            for future in [*rendezvous.handed_out, rendezvous.round_done]:
+                if not future.done():
+                    future.set_result(None)
+        return _first_wrong_reply(replies, values, rounds)
+
+    _judged_on_owner(problem_on_owner)
 
 
 def _first_wrong_reply(replies: dict[int, list[list[object]]], values: dict, rounds: int) -> str | None:

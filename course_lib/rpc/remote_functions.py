@@ -1,5 +1,4 @@
-"""Starting the RPC agent under the course's worker names, and small remote functions and a remote model: the
-first examples of notebook 12. RPC pickles functions by reference, so what a worker calls lives at module level."""
+"""Notebook 12's first RPC examples. RPC pickles functions by reference: what a worker calls lives at module level."""
 
 from __future__ import annotations
 

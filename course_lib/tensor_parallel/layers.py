@@ -1,5 +1,4 @@
-"""Column- and row-parallel linear layers from scratch, the course's TransformerBlock built from them, and the
-same split with torch's API: a parallelize_module plan of DTensor placements."""
+"""Column- and row-parallel linears from scratch, a TransformerBlock of them, the same as a parallelize_module plan."""
 
 from __future__ import annotations
 

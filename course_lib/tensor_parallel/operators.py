@@ -1,5 +1,4 @@
-"""The communication of a tensor-parallel layer, as autograd operators (Megatron-LM's f and g), and async tensor
-parallelism from scratch: the all-gather before a column-parallel matmul, cut into chunks."""
+"""Tensor parallelism's communication as autograd ops (Megatron-LM's f and g); async TP's chunked all-gather matmul."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ def equality(rank: int, world_size: int) -> dict:
                 # torch's Schedule1F1B needs m >= p; interleaved here needs m to be a multiple of p
                 for m in {"GPipe": (1, 4, 12), "1F1B": (4, 12), "interleaved 1F1B": (p, 4 * p)}[schedule]:
                     ref_loss, expected = pp.reference_stage_gradients(pp.course_model(), p * v, x, y)
-                    record, ours = pp.pipeline_step(schedule, m, x, y, stage_ranks=range(p))
+                    record, ours = pp.schedule_step(schedule, m, x, y, stage_ranks=range(p))
                     torch_losses, theirs, _ = pp.torch_schedule_step(schedule, m, x, y, group=group)
                     versus_torch = pp.max_gradient_error(ours, pp.gradients_by_stage(theirs))
                     report.append(
@@ -45,13 +45,13 @@ def equality(rank: int, world_size: int) -> dict:
     # messages through a separate gloo group (the path NCCL jobs take)
     side = dist.new_group(backend="gloo")
     _, expected = pp.reference_stage_gradients(pp.course_model(), world_size, x, y)
-    _, ours = pp.pipeline_step("1F1B", 8, x, y, group=side)
+    _, ours = pp.schedule_step("1F1B", 8, x, y, group=side)
     side_group_error = pp.max_gradient_error(ours, expected)
 
     # naive model parallelism over all ranks
     ref_loss, expected = pp.reference_stage_gradients(pp.course_model(), world_size, x, y)
     mine = pp.split_into_stages(pp.course_model(), world_size)[rank]
-    naive_loss = pp.naive_model_parallel(mine, x, y, pp.loss_fn, (48, 64))
+    naive_loss = pp.naive_model_parallel(mine, x, y, pp.mse_loss, (48, 64))
     naive = dict(error=pp.max_gradient_error({rank: mine}, expected), loss=naive_loss, ref_loss=ref_loss)
 
     # GPipe on 2 ranks with 1 and 8 micro-batches: what each rank ran, in order, with its wall times
@@ -60,7 +60,7 @@ def equality(rank: int, world_size: int) -> dict:
         dist.barrier()
         if rank < 2:
             pad = {"F": 0.004, "B": 0.008}
-            record, _ = pp.pipeline_step("GPipe", m, x, y, stage_ranks=[0, 1], min_seconds=pad)
+            record, _ = pp.schedule_step("GPipe", m, x, y, stage_ranks=[0, 1], min_seconds=pad)
             both: list = [None, None]
             dist.all_gather_object(both, record.events, group=pair)
             runs[m] = both[0] + both[1]
