@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -9,7 +10,6 @@ import sys
 import textwrap
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import psutil
@@ -41,20 +41,24 @@ class Captured:
         setattr(self, stream, getattr(self, stream) + text)
 
 
-def processes_with(token: str) -> list[psutil.Process]:
-    """Every live process whose environment carries `token` (the run's agent and ranks)."""
-    found = []
-    for proc in psutil.process_iter(["pid"]):
-        try:
-            if (
-                proc.pid != os.getpid()
-                and proc.environ().get("COURSE_TEST_TOKEN") == token
-                and proc.status() != psutil.STATUS_ZOMBIE
-            ):
-                found.append(proc)
-        except psutil.Error:
-            continue
-    return found
+def sleeping_cell(folder: Path) -> str:
+    """A cell whose ranks record their pids in `folder` (forked ranks carry no marker of the run) and sleep."""
+    return f"import os, time\nopen({str(folder)!r} + f'/{{rank}}', 'w').write(str(os.getpid()))\ntime.sleep(600)\n"
+
+
+def agent_and_ranks(folder: Path, root: int) -> tuple[list[psutil.Process], list[psutil.Process]]:
+    """The run's torchrun agent, below process `root` (torchrun's main thread names it pt_elastic), and its ranks."""
+    ranks = []
+    for file in folder.iterdir():
+        with contextlib.suppress(psutil.Error, ValueError):
+            ranks.append(psutil.Process(int(file.read_text())))
+    agents = [p for p in psutil.Process(root).children(recursive=True) if p.name() == "pt_elastic"]
+    return agents, ranks
+
+
+def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """Those of `procs` still running (is_running also checks the start time: a reused pid is not counted)."""
+    return [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
 def wait_until(predicate, timeout=30.0):
@@ -109,59 +113,52 @@ def test_rank_killed_by_signal_is_named():
     assert str(info.value).startswith("rank 1 was killed by SIGKILL")
 
 
-def test_timeout_ends_every_process_and_names_running_ranks():
-    token = uuid.uuid4().hex
+def test_timeout_ends_every_process_and_names_running_ranks(tmp_path):
     # Both ranks sleep: a collective would end at the process-group timeout (12 s here), racing the wall clock.
-    body = "import time\ntime.sleep(600)\n"
     raised: list[BaseException] = []
 
     def run():
         try:
-            launch(body, 2, backend="gloo", timeout=15, env={"COURSE_TEST_TOKEN": token}, write=Captured())
+            launch(sleeping_cell(tmp_path), 2, backend="gloo", timeout=15, write=Captured())
         except BaseException as exc:  # checked below, in the test's thread
             raised.append(exc)
 
     thread = threading.Thread(target=run)
     thread.start()
-    # The token is visible on the ranks (so the final check can see survivors), the agent is their parent.
-    assert wait_until(lambda: len(_agent_and_workers(token)[1]) == 2, timeout=120), "the ranks did not start"
-    agent, _ = _agent_and_workers(token)
+    assert wait_until(lambda: len(list(tmp_path.iterdir())) == 2, timeout=120), "the ranks did not start"
+    agent, ranks = agent_and_ranks(tmp_path, os.getpid())
+    assert len(agent) == 1 and len(ranks) == 2
     thread.join(120)  # a guard against a hang, not a speed bound: the ranks sleep 600 s
     assert not thread.is_alive(), "launch did not return after its timeout"
     assert len(raised) == 1 and isinstance(raised[0], RunTimeoutError), raised
     assert "ranks still running: 0, 1" in str(raised[0])
-    assert processes_with(token) == [] and not agent[0].is_running()
+    assert alive(agent + ranks) == []
 
 
-def _script_running_a_long_cell(token: str) -> subprocess.Popen:
+def _script_running_a_long_cell(folder: Path) -> subprocess.Popen:
     code = textwrap.dedent(f"""
         import signal
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as a kernel does, even if SIGINT came ignored
         from course_lib.launch import launch
-        launch("import time\\ntime.sleep(600)\\n", 2, backend="gloo", timeout=600,
-               env={{"COURSE_TEST_TOKEN": {token!r}}})
+        if __name__ == "__main__":  # the forkserver's children run this file as a module: start nothing there
+            launch({sleeping_cell(folder)!r}, 2, backend="gloo", timeout=600)
     """)
-    env = {**os.environ, "COURSE_TEST_TOKEN": token + "-kernel"}
-    return subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT)
-
-
-def _agent_and_workers(token: str):
-    """The run's torchrun agent (forked, so not carrying the token: the ranks' parent) and its ranks."""
-    workers = [p for p in processes_with(token) if "course_lib.launch.worker" in " ".join(p.cmdline())]
-    agent = list({p.ppid(): p.parent() for p in workers}.values())
-    return agent, workers
+    script = folder.parent / "kernel.py"
+    script.write_text(code)
+    return subprocess.Popen([sys.executable, str(script)], cwd=ROOT)
 
 
 @pytest.mark.parametrize("how", ["interrupt", "kill_agent", "kill_kernel"])
-def test_no_process_survives(how):
+def test_no_process_survives(how, tmp_path):
     """SIGINT to the 'kernel', SIGKILL to the torchrun agent, SIGKILL to the kernel: nothing of the run survives."""
-    token = uuid.uuid4().hex
-    kernel = _script_running_a_long_cell(token)
+    folder = tmp_path / "pids"
+    folder.mkdir()
+    kernel = _script_running_a_long_cell(folder)
     try:
         # start-up only (import torch in 3 processes): generous, since a loaded 2-core machine took over 30 s
-        assert wait_until(lambda: len(_agent_and_workers(token)[1]) == 2, timeout=120), "ranks did not start"
-        agent, workers = _agent_and_workers(token)
-        assert len(agent) == 1
+        assert wait_until(lambda: len(list(folder.iterdir())) == 2, timeout=120), "ranks did not start"
+        agent, ranks = agent_and_ranks(folder, kernel.pid)
+        assert len(agent) == 1 and len(ranks) == 2
         if how == "interrupt":
             kernel.send_signal(signal.SIGINT)
             kernel.wait(30)
@@ -170,12 +167,26 @@ def test_no_process_survives(how):
         else:
             kernel.kill()
             kernel.wait(10)
-        assert wait_until(lambda: processes_with(token) == [] and not agent[0].is_running(), timeout=15), (
-            f"left behind: {[p.cmdline() for p in processes_with(token)]}, agent running: {agent[0].is_running()}"
-        )
+        assert wait_until(lambda: alive(agent + ranks) == [], timeout=15), f"left behind: {alive(agent + ranks)}"
     finally:
         kernel.kill()
         kernel.wait(10)
+
+
+def test_forked_ranks_see_what_exec_gives_and_import_time_variables_start_ranks_afresh(tmp_path, monkeypatch):
+    """A forked rank has the run's environment, the kernel's folder, its threads and a session of its own, as an
+    exec'd one has; a run that sets a variable torch reads at import gets exec'd ranks (the lesson's C++ log)."""
+    body = (
+        "import multiprocessing, os\n"
+        "print(os.environ['COURSE_RUN_VARIABLE'], os.getcwd(), torch.get_num_threads(), os.getsid(0) == os.getpid(),"
+        " multiprocessing.parent_process() is not None)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    expected = f"{tmp_path} 1 True"
+    for env, forked in (({}, True), ({"TORCH_CPP_LOG_LEVEL": "ERROR"}, False)):
+        out = Captured()
+        launch(body, 2, backend="gloo", env={"COURSE_RUN_VARIABLE": "set", "OMP_NUM_THREADS": "1", **env}, write=out)
+        assert out.stdout.splitlines() == [f"[rank {r}] set {expected} {forked}" for r in (0, 1)], out.stdout
 
 
 def test_two_runs_at_once_do_not_collide():
@@ -258,8 +269,9 @@ def test_an_agent_that_fails_itself_is_named_with_its_log():
     """torchrun's agent ended by a signal does not restart the group, and no rank raised: the error says so and
     quotes the agent's log, the only place that says why. With a rank that died first and a restart left
     (the kill-and-resume lesson's case), the error names the rank and the agent's log too."""
-    agent_stopped = (
-        "import os, signal, time\nif rank == 0:\n    os.kill(os.getppid(), signal.SIGTERM)\ntime.sleep(30)\n"
+    agent_stopped = (  # argv[1]: the run's folder, where the agent records its pid (a forked rank's parent is not it)
+        "import json, os, signal, sys, time\nif rank == 0:\n"
+        "    os.kill(json.load(open(sys.argv[1] + '/agent.json'))['pid'], signal.SIGTERM)\ntime.sleep(30)\n"
     )
     with pytest.raises(RankFailedError) as failed:
         launch(agent_stopped, 2, backend="gloo", max_restarts=1, timeout=60, write=lambda text, stream: None)
@@ -401,7 +413,7 @@ def test_run_dir_names_attempts_in_one_place(tmp_path):
     run = RunDir(tmp_path)
     for attempt, rank in ((0, 0), (0, 1), (10, 1), (2, 0)):  # attempt 10 sorts after 2 as a number
         run.attempt(attempt).mkdir(parents=True, exist_ok=True)
-        run.pid_file(attempt, rank).write_text(str(1000 + 10 * attempt + rank))
+        run.pid_file(attempt, rank).write_text(f"{1000 + 10 * attempt + rank} 1.5")
     run.done_file(10, 1).touch()
     assert run.attempts() == [0, 2, 10]
     assert sorted(run.pids()) == [1000, 1001, 1020, 1101]

@@ -12,6 +12,7 @@ every process in the session (setsid) of one that did, such as what a cell start
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -267,8 +268,8 @@ def test_two_kernels_do_not_collide_and_shutdown_leaves_nothing(session, tmp_pat
         assert folder_a != folder_b and not set(pids_a) & set(pids_b)
         assert not other.run("%%px\n" + GRANDCHILD.format(tag="child-of-a-rank"))[1]
         _wait_for(lambda: sum("child-of-a-rank" in line for line in _naming(tmp_path).values()) == 2)
-        sids_b = _sessions(tmp_path)
-        assert len(_naming(tmp_path)) >= 4 + 2, _naming(tmp_path)  # controller, agent, 2 engines, their children
+        sids_b = _sessions(tmp_path) | {os.getsid(pid) for pid in pids_b}  # forked engines' command lines name none
+        assert len(_left(tmp_path, sids_b)) >= 4 + 2, _left(tmp_path, sids_b)  # controller, agent, 2 engines, children
         for k, value in ((kernel, "a"), (other, "b")):
             k.run(f"%px v = {value!r} + str(rank)")
         assert kernel.run("%px print(v)")[0] == by_rank("a0", "a1")
@@ -307,12 +308,12 @@ def test_interrupt_stops_the_ranks_cell(session):
 
 
 def _with_children(kernel: Kernel) -> tuple[Path, set[int]]:
-    """Each rank starts a child; (the session's folder, the sessions of the processes naming it)."""
-    _, folder = kernel.session_pids()
+    """Each rank starts a child; (the session's folder, the sessions of its processes and of those naming it)."""
+    pids, folder = kernel.session_pids()
     before = sum("child-of-a-rank" in line for line in _naming(kernel.tmp).values())
     assert not kernel.run("%%px\n" + GRANDCHILD.format(tag="child-of-a-rank"))[1]
     _wait_for(lambda: sum("child-of-a-rank" in line for line in _naming(kernel.tmp).values()) == before + 2, 30)
-    sids = _sessions(folder)
+    sids = _sessions(folder) | {os.getsid(pid) for pid in pids}  # forked ranks' command lines name no folder
     assert len(sids) >= 4, _naming(folder)  # the controller's, the agent's, each engine's
     return folder, sids
 
@@ -364,8 +365,11 @@ def test_a_killed_kernel_leaves_nothing(tmp_path):
     cell = GRANDCHILD.format(tag="child-of-a-torchrun-rank") + "\nimport time\ntime.sleep(600)"
     kernel.kc.execute(f"%%torchrun -n 2 --backend gloo --timeout 300\n{cell}")  # still running when the kernel dies
     _wait_for(lambda: sum("child-of-a-torchrun-rank" in line for line in _naming(kernel.tmp).values()) == 2)
-    sids |= _sessions(kernel.tmp)
-    assert len(_naming(kernel.tmp)) >= 4 + 2 + 3 + 2, _naming(kernel.tmp)  # the session, its children, the run
+    sids |= _sessions(kernel.tmp)  # the cell's ranks' too: their children are in them
+    agent = json.loads(next(kernel.tmp.glob("torchrun-cell-*/agent.json")).read_text())["pid"]
+    sids.add(os.getsid(agent))  # the cell's agent, which records its pid in the run's folder
+    assert len(_left(kernel.tmp, sids)) >= 4 + 2 + 2 + 1, _left(kernel.tmp, sids)  # session, children, cell, agent
+    assert len(sids) >= 4 + 2 + 1, sids  # the session's, the cell's ranks', the cell's agent
     os.kill(kernel.km.provisioner.process.pid, signal.SIGKILL)  # type: ignore[union-attr]
     assert _gone_within(pids, 10) == []
     assert _left_after(kernel.tmp, sids) == {}

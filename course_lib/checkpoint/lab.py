@@ -107,7 +107,7 @@ def _end(nodes: list[Node]) -> list[int]:
     for node in nodes:
         if node.pump is not None:
             node.pump.join(timeout=10)
-    left = [pid for node in nodes for pid in processes.running(node.run.pids(), node.run.path)]
+    left = [pid for node in nodes for pid in processes.running(node.run.started())]
     for node in nodes:
         node.run.remove()
     return left

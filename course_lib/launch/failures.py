@@ -101,15 +101,16 @@ def how_it_ended(code: int) -> str:
 
 def add_silent_deaths(attempts: list[Attempt], agent_log: str, run: RunDir) -> None:
     """Name the ranks that died without raising (no error file, no `done`, not stopped): likely root causes."""
-    stopped = {int(pid) for pid in re.findall(r"Sending process (\d+) closing signal", agent_log)}
+    # torchrun's words for "stopped after another's failure": exec'd ranks, forked ranks, torch.multiprocessing's
+    closing = r"Sending process (\d+) closing signal|(?:Closing|Terminating) process (\d+) via signal"
+    stopped = {int(a or b) for a, b in re.findall(closing, agent_log)}
     codes = {
         int(pid): int(code)
         for code, pid in re.findall(r"failed \(exitcode: (-?\d+)\) local_rank: \d+ \(pid: (\d+)\)", agent_log)
     }
     by_index = {a.index: a for a in attempts}
-    for index, rank, pid_file in reversed(run.pid_files()):  # inserted first: the lowest rank leads
+    for index, rank, pid in reversed(run.recorded_pids()):  # inserted first: the lowest rank leads
         attempt = by_index.get(index)
-        pid = int(pid_file.read_text() or 0)
         if (
             attempt is None
             or pid in stopped

@@ -179,7 +179,7 @@ def _run(spec: RunSpec, run: RunDir, body: str, push: dict[str, Any], write: Wri
         write("Interrupted: every process of the run was ended.\n", "stderr")
         raise
     finally:
-        killed = len(processes.running(run.pids(), run.path)) if timed_out else 0
+        killed = len(processes.running(run.started())) if timed_out else 0
         running = failures.running_ranks(run, spec) if timed_out else []
         processes.end_run(proc, run)
     wall = time.monotonic() - start

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib.util
+import json
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -19,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 from course_lib.launch.spec import RunDir, RunSpec
 
@@ -27,10 +30,21 @@ _ACTIVE: dict[int, tuple[Agent, RunDir]] = {}  # agent pid -> (agent, its run), 
 
 
 WORKER = "course_lib.launch.worker"  # the program of a `%%torchrun` cell's ranks
+# Variables torch reads only when imported: a run that sets one gets exec'd ranks, which import torch afresh.
+READ_AT_IMPORT = ("TORCH_CPP_LOG_LEVEL", "TORCH_DISTRIBUTED_DEBUG", "TORCH_LOGS", "TORCH_SHOW_CPP_STACKTRACES")
+ENV_AT_IMPORT = dict(os.environ)  # in a forked rank: the forkserver's, which torchrun's variables for it then change
+
+
+def forks_ranks(spec: RunSpec) -> bool:
+    """Whether a run's ranks fork from the forkserver (torch imported there once) rather than start afresh."""
+    env = agent_env(spec)
+    # pidfd_open: a forked rank ends with its agent, which is not its parent. 3.14 changed the forkserver's handshake.
+    usable = hasattr(os, "pidfd_open") and sys.version_info < (3, 14)
+    return usable and not any(name in env for name in READ_AT_IMPORT)
 
 
 def torchrun_args(spec: RunSpec, run: RunDir, program: str = WORKER) -> list[str]:
-    """torchrun's arguments for `run`: ``... --module PROGRAM RUN_DIR`` (a session's engines: session.processes)."""
+    """torchrun's arguments for `run`: ``... --module PROGRAM RUN_DIR``, or PROGRAM's file as forked ranks' function."""
     cmd = ["--nproc-per-node", str(spec.nproc), "--max-restarts", str(spec.max_restarts), "--monitor-interval", "0.1"]
     cmd += ["--log-dir", str(run.logs), "--redirects", "3"]
     if spec.stream:
@@ -46,6 +60,9 @@ def torchrun_args(spec: RunSpec, run: RunDir, program: str = WORKER) -> list[str
         cmd += [part for flag, value in rdzv.items() if value is not None for part in (flag, str(value))]
     else:
         cmd += ["--standalone"]  # a free rendezvous port per run: runs never collide
+    if forks_ranks(spec):  # the program's file, run as a function of each forked rank
+        origin = importlib.util.find_spec(program).origin  # type: ignore[union-attr]
+        return [*cmd, "--start-method", "forkserver", "--run-path", str(origin), str(run.path)]
     return [*cmd, "--module", program, str(run.path)]
 
 
@@ -97,11 +114,17 @@ def start_forkserver() -> None:
     multiprocessing.forkserver.ensure_running()
 
 
+_SERVER: Any = multiprocessing.forkserver._forkserver  # type: ignore[attr-defined]  # its address has no public getter
+
+
 def start_agent(spec: RunSpec, run: RunDir, program: str = WORKER, log: Path | None = None) -> Agent:
     """Start torchrun for `run` in a session of its own, output into pipes or `log`; end_run (or exit) ends it."""
     pipes = [] if log else [_FORKSERVER.Pipe(duplex=False) for _ in range(2)]
     output = str(log) if log else tuple(write for _, write in pipes)
-    agent = Agent(target=_agent_main, args=(os.getpid(), torchrun_args(spec, run, program), agent_env(spec), output))
+    start_forkserver()  # (again, if a cell killed it)
+    forkserver = _SERVER._forkserver_address if forks_ranks(spec) else None
+    args = (os.getpid(), torchrun_args(spec, run, program), agent_env(spec), output, run.agent_file, forkserver)
+    agent = Agent(target=_agent_main, args=args)
     agent.start()
     for _, write in pipes:
         write.close()  # the agent holds the only write ends: the pipes close when it exits
@@ -116,11 +139,16 @@ def _agent_main(
     args: list[str],
     env: dict[str, str],
     output: str | tuple[multiprocessing.connection.Connection, multiprocessing.connection.Connection],
+    agent_file: Path,
+    forkserver: str | None,
 ) -> None:
-    """torchrun's main in the forked agent: its own session, output into the pipes or log, an end with the kernel."""
+    """torchrun's main in the forked agent: its own session, output into the pipes or log, an end with the kernel.
+
+    With `forkserver` (its address), the ranks fork from the kernel's forkserver, which has torch imported and runs no
+    thread, not from this agent, whose threads (the store's, a watcher) could hold a lock at the fork."""
     os.setsid()
     if hasattr(os, "pidfd_open"):  # Linux: the agent's parent is the forkserver, so no PR_SET_PDEATHSIG
-        threading.Thread(target=_stop_when_gone, args=(os.pidfd_open(kernel),), daemon=True).start()
+        threading.Thread(target=_stop_when_gone, args=(os.pidfd_open(kernel), agent_file), daemon=True).start()
     if isinstance(output, str):
         log = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         fds = [log, log]
@@ -135,26 +163,35 @@ def _agent_main(
         for name in list(logging.root.manager.loggerDict):
             if name.startswith("torch.distributed"):
                 logging.getLogger(name).setLevel(env["LOGLEVEL"])
+    # What an exec'd rank gets from this agent, which a forked one takes on (worker.adopt_agent).
+    agent_file.write_text(json.dumps({"pid": os.getpid(), "cwd": os.getcwd(), "env": env}))
+    if forkserver:
+        _SERVER._forkserver_address = forkserver  # its alive pipe is inherited (forkserver._serve_one)
+        _SERVER.ensure_running = lambda: None  # running: the kernel started it
     from torch.distributed.run import main
 
     main(args)
 
 
-def _stop_when_gone(pidfd: int) -> None:
-    """SIGTERM this agent once the process of `pidfd` exits, even by SIGKILL: torchrun then ends its ranks."""
+def _stop_when_gone(pidfd: int, agent_file: Path) -> None:
+    """Once the process of `pidfd` exits, even by SIGKILL: end the ranks' sessions (what the ranks started: the
+    launcher's end_run, which died with it, would have), then SIGTERM this agent, and torchrun ends the rest."""
     select.select([pidfd], [], [])
+    for pid in running(RunDir(agent_file.parent).started()):
+        kill_group(pid, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def running(pids: Iterable[int], naming: str | Path | None = None) -> list[int]:
-    """Those of `pids` still running (zombies gone) whose command line names `naming`: a reused pid is not counted."""
+def running(pids: Iterable[int] | dict[int, float]) -> list[int]:
+    """Those of `pids` still running (zombies gone); given {pid: start time}, only those started then (not reused)."""
     import psutil
 
     alive = []
     for pid in pids:
         try:
             proc = psutil.Process(pid)
-            if proc.status() != psutil.STATUS_ZOMBIE and (naming is None or str(naming) in " ".join(proc.cmdline())):
+            same = not isinstance(pids, dict) or abs(proc.create_time() - pids[pid]) < 0.01
+            if same and proc.status() != psutil.STATUS_ZOMBIE:
                 alive.append(pid)
         except psutil.Error:
             continue
@@ -177,7 +214,7 @@ def end_run(proc: Agent, run: RunDir, grace_s: float = 3.0) -> None:
         kill_group(pid, signal.SIGKILL)
     proc.join(5)
     deadline = time.monotonic() + 5
-    while running(run.pids(), run.path) and time.monotonic() < deadline:
+    while running(run.started()) and time.monotonic() < deadline:
         time.sleep(0.05)
     _ACTIVE.pop(proc.pid, None)
 

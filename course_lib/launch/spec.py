@@ -206,6 +206,7 @@ class RunDir:
         self.spec = path / "spec.json"
         self.push = path / "push.pt"
         self.logs = path / "logs"
+        self.agent_file = path / "agent.json"  # the agent's pid, folder and environment, for forked ranks
 
     @classmethod
     def create(cls) -> Self:
@@ -248,7 +249,19 @@ class RunDir:
 
     def recorded_pids(self) -> list[tuple[int, int, int]]:
         """(attempt, rank, pid) of every rank that has written its pid, in order."""
-        return [(attempt, rank, int(text)) for attempt, rank, p in self.pid_files() if (text := p.read_text().strip())]
+        return [(attempt, rank, pid) for attempt, rank, pid, _ in self.recorded_starts()]
+
+    def recorded_starts(self) -> list[tuple[int, int, int, float]]:
+        """(attempt, rank, pid, start time) of every rank that has written its pid file ("PID START"), in order."""
+        found = []
+        for attempt, rank, path in self.pid_files():
+            if len(fields := path.read_text().split()) == 2:  # written at once (os.replace): never one field
+                found.append((attempt, rank, int(fields[0]), float(fields[1])))
+        return found
+
+    def started(self) -> dict[int, float]:
+        """{pid: start time} of every rank that recorded its pid: a pid counts only while its start time matches."""
+        return {pid: start for _, _, pid, start in self.recorded_starts()}
 
     def pids(self) -> list[int]:
         """Every recorded rank pid, all attempts."""

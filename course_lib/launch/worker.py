@@ -1,10 +1,15 @@
-"""What torchrun starts on every rank of a `%%torchrun` cell (`--module course_lib.launch.worker RUN_DIR`).
+"""What torchrun starts on every rank of a `%%torchrun` cell: `--module course_lib.launch.worker RUN_DIR`, or this
+file as the function of ranks forked from the kernel's forkserver (`--run-path`, processes.forks_ranks).
 
 launcher.standalone_script writes the same steps as a script for plain torchrun (`--save`): change both together."""
 
 from __future__ import annotations
 
+import io
+import json
+import multiprocessing
 import os
+import select
 import signal
 import sys
 import threading
@@ -12,7 +17,43 @@ import time
 import types
 from pathlib import Path
 
+import psutil
+
 from course_lib.launch.spec import RunDir, RunSpec
+
+
+def forked() -> bool:
+    """Whether this rank was forked from the forkserver (processes.forks_ranks), not exec'd by torchrun."""
+    return multiprocessing.parent_process() is not None
+
+
+def _end_session_when_gone(pidfd: int) -> None:
+    select.select([pidfd], [], [])
+    os.killpg(0, signal.SIGKILL)
+
+
+def adopt_agent(run: RunDir) -> None:
+    """A forked rank takes on what an exec'd one gets from its agent: environment, folder, session, an end with it."""
+    from course_lib.launch.processes import ENV_AT_IMPORT  # imported in the forkserver: its environment
+
+    agent = json.loads(run.agent_file.read_text())
+    torchrun_set = {name: value for name, value in os.environ.items() if ENV_AT_IMPORT.get(name) != value}
+    os.environ.clear()
+    os.environ.update({**agent["env"], **torchrun_set})
+    os.chdir(agent["cwd"])
+    os.setsid()  # as torchrun starts an exec'd rank: the launcher ends its process group
+    try:
+        agent_gone = os.pidfd_open(agent["pid"])
+    except ProcessLookupError:
+        os._exit(1)
+    # With the agent gone, this rank's session (it and what it started) ends, as an exec'd rank's would.
+    threading.Thread(target=_end_session_when_gone, args=(agent_gone,), daemon=True).start()
+    for name in ("stdout", "stderr"):  # unbuffered, as PYTHONUNBUFFERED makes an exec'd rank's
+        stream = io.TextIOWrapper(io.FileIO(getattr(sys, name).fileno(), "w", closefd=False), write_through=True)
+        setattr(sys, name, stream)
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # torch read it in the forkserver
 
 
 def die_with_parent() -> None:
@@ -61,12 +102,18 @@ class MissingOutError(NameError):
 
 
 def start_rank(run: RunDir) -> tuple[int, int, int]:
-    """A rank's first steps (a cell's worker, a session's engine): die with its agent, record its pid."""
-    die_with_parent()
+    """A rank's first steps (a cell's worker, a session's engine): take on its agent if forked, else die with it;
+    record its pid and start time."""
+    if forked():
+        adopt_agent(run)
+    else:
+        die_with_parent()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     run.attempt(attempt).mkdir(parents=True, exist_ok=True)
-    run.pid_file(attempt, rank).write_text(str(os.getpid()))
+    pid_file = run.pid_file(attempt, rank)
+    pid_file.with_suffix(".partial").write_text(f"{os.getpid()} {psutil.Process().create_time()!r}")
+    os.replace(pid_file.with_suffix(".partial"), pid_file)  # whole or absent: RunDir.recorded_starts
     # Log files are named by local rank; with several nodes the global rank is only known here.
     run.local_file(attempt, local_rank).write_text(str(rank))
     return attempt, rank, local_rank
@@ -117,7 +164,8 @@ def main(run: RunDir) -> None:
     run.done_file(attempt, rank).touch()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)  # the run is complete: no interpreter teardown that could still abort it
+    if not forked():  # a forked rank returns to torchrun's function wrapper, which reports it done and os._exits
+        os._exit(0)  # the run is complete: no interpreter teardown that could still abort it
 
 
 def record_and_exit(exc: BaseException, cell_file: str) -> None:

@@ -122,8 +122,9 @@ class Session:
 
     def dead(self) -> RankFailedError | None:
         """RankFailedError('rank 2 (SIGKILL) died') if a rank, the agent or the controller is gone, else None."""
-        pids = self.folder.rank_pids()  # read once: a rank may record its pid meanwhile
-        alive = running(pids.values(), self.folder.path)
+        records = self.folder.recorded_starts()  # read once: a rank may record its pid meanwhile
+        pids = dict(sorted({rank: pid for _, rank, pid, _ in records}.items()))
+        alive = running({pid: start for _, _, pid, start in records})
         gone = [rank for rank, pid in pids.items() if pid not in alive]
         agent_gone = len(self.procs) > 1 and self.procs[1].poll() is not None
         if gone or agent_gone:
