@@ -90,7 +90,7 @@ def torchrun_env(nproc: int, backend: str = "auto") -> dict[str, str]:
 
 
 _FORKSERVER = multiprocessing.get_context("forkserver")
-_FORKSERVER.set_forkserver_preload(["torch.distributed.run", __name__])
+_FORKSERVER.set_forkserver_preload(["torch.distributed.run", "ipyparallel.engine.app", __name__])
 
 
 class Agent(_FORKSERVER.Process):  # type: ignore[name-defined,misc]

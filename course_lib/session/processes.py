@@ -20,9 +20,10 @@ from course_lib.launch.spec import RunDir, RunSpec
 CLUSTER_ID = "session"
 START_TIMEOUT_S = 180.0  # start-up of the controller and every engine (slow on a loaded machine)
 # The controller pings each engine every PING_MS and drops it after MISSES missed pings: a dead rank
-# is noticed within a few seconds (ipyparallel's defaults, 3 s x 10, would take half a minute).
-PING_MS = 1000
-MISSES = 3
+# is noticed within 3 s (ipyparallel's defaults, 3 s x 10, would take half a minute). The hub registers an engine
+# at the ping after its first answer, so a short period starts a session sooner (1 s: 2 s more at 4 ranks).
+PING_MS = 100
+MISSES = 30
 Process = subprocess.Popen | Agent  # the controller, the agent
 
 
