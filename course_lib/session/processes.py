@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from course_lib.launch.failures import exit_codes, how_it_ended
-from course_lib.launch.processes import Agent, kill_group, start_agent
+from course_lib.launch.processes import Agent, kill_group, running, start_agent
 from course_lib.launch.spec import RunDir, RunSpec
 
 CLUSTER_ID = "session"
@@ -163,9 +163,10 @@ def _still_ours(sid: int, folder: SessionDir) -> bool:
         if os.getsid(sid) != sid:
             return False  # a newcomer: what was left of the session is gone
         cmdline = leader.cmdline()
-        # the controller and an engine name the folder; the agent (forked: the forkserver's command line) is
-        # named by torchrun's main, as worker._is_torchrun_agent checks
-        return not cmdline or str(folder.path) in " ".join(cmdline) or leader.name() == "pt_elastic"
+        # the controller names the folder; the agent (forked: the forkserver's command line) is named by torchrun's
+        # main, as worker._is_torchrun_agent checks; an engine recorded its start time
+        ours = not cmdline or str(folder.path) in " ".join(cmdline) or leader.name() == "pt_elastic"
+        return ours or sid in running(folder.started())
     except (psutil.NoSuchProcess, ProcessLookupError):
         return True  # the leader is gone: what it started may be left in its session
     except (psutil.Error, OSError):
@@ -187,6 +188,13 @@ def end_sessions(folder: SessionDir, leaders: list[int], timeout_s: float = 5.0)
 
 def end(procs: list[Process], folder: SessionDir, watcher: subprocess.Popen | None = None) -> None:
     """End the agent, every engine, the controller and what they started, then the watcher; return when none is left."""
+    # The engines first, then the agent by SIGTERM: it exits through torchrun's shutdown, which unlinks the
+    # semaphores of its forked ranks' queues; a SIGKILL would leave them in /dev/shm.
+    for pid in running(folder.started()):
+        kill_group(pid, signal.SIGKILL)
+    for agent in (proc for proc in procs if isinstance(proc, Agent) and proc.exitcode is None):
+        kill_group(agent.pid, signal.SIGTERM)
+        agent.join(5)
     end_sessions(folder, [proc.pid for proc in procs])
     for proc in procs:
         proc.wait(5)
