@@ -283,7 +283,9 @@ def test_dispatch_checker():
         broken_dispatch: "rows belong to other ranks' experts",
         local_dispatch: "never called dist.all_to_all_single",
         gathered_dispatch: "dist.all_gather_object is not allowed",
-        rows_without_experts: re.compile(r"rank \d: \d+ rows but \d+ experts"),  # an expert id for each row
+        # its own ids, not the rows': a count that differs from the rows', or (when each rank happened to receive as
+        # many rows as it holds, as the checker's random tokens once made it) ids of other ranks' experts
+        rows_without_experts: re.compile(r"rank \d: \d+ rows but \d+ experts|rows belong to other ranks' experts"),
     }
     assert_checker(ep.check_dispatch, SOLUTIONS["dispatch"], wrong, stub=stub_dispatch)
 
