@@ -35,15 +35,14 @@ READ_AT_IMPORT = ("TORCH_CPP_LOG_LEVEL", "TORCH_DISTRIBUTED_DEBUG", "TORCH_LOGS"
 ENV_AT_IMPORT = dict(os.environ)  # in a forked rank: the forkserver's, which torchrun's variables for it then change
 
 
-def forks_ranks(spec: RunSpec) -> bool:
-    """Whether a run's ranks fork from the forkserver (torch imported there once) rather than start afresh."""
-    env = agent_env(spec)
+def forks_ranks(env: dict[str, str]) -> bool:
+    """Whether ranks with agent_env `env` fork from the forkserver (torch imported there once), not start afresh."""
     # pidfd_open: a forked rank ends with its agent, which is not its parent. 3.14 changed the forkserver's handshake.
     usable = hasattr(os, "pidfd_open") and sys.version_info < (3, 14)
     return usable and not any(name in env for name in READ_AT_IMPORT)
 
 
-def torchrun_args(spec: RunSpec, run: RunDir, program: str = WORKER) -> list[str]:
+def torchrun_args(spec: RunSpec, run: RunDir, program: str = WORKER, forked: bool = False) -> list[str]:
     """torchrun's arguments for `run`: ``... --module PROGRAM RUN_DIR``, or PROGRAM's file as forked ranks' function."""
     cmd = ["--nproc-per-node", str(spec.nproc), "--max-restarts", str(spec.max_restarts), "--monitor-interval", "0.1"]
     cmd += ["--log-dir", str(run.logs), "--redirects", "3"]
@@ -60,7 +59,7 @@ def torchrun_args(spec: RunSpec, run: RunDir, program: str = WORKER) -> list[str
         cmd += [part for flag, value in rdzv.items() if value is not None for part in (flag, str(value))]
     else:
         cmd += ["--standalone"]  # a free rendezvous port per run: runs never collide
-    if forks_ranks(spec):  # the program's file, run as a function of each forked rank
+    if forked:  # the program's file, run as a function of each forked rank
         origin = importlib.util.find_spec(program).origin  # type: ignore[union-attr]
         return [*cmd, "--start-method", "forkserver", "--run-path", str(origin), str(run.path)]
     return [*cmd, "--module", program, str(run.path)]
@@ -122,8 +121,9 @@ def start_agent(spec: RunSpec, run: RunDir, program: str = WORKER, log: Path | N
     pipes = [] if log else [_FORKSERVER.Pipe(duplex=False) for _ in range(2)]
     output = str(log) if log else tuple(write for _, write in pipes)
     start_forkserver()  # (again, if a cell killed it)
-    forkserver = _SERVER._forkserver_address if forks_ranks(spec) else None
-    args = (os.getpid(), torchrun_args(spec, run, program), agent_env(spec), output, run.agent_file, forkserver)
+    env = agent_env(spec)
+    forkserver = _SERVER._forkserver_address if forks_ranks(env) else None
+    args = (os.getpid(), torchrun_args(spec, run, program, bool(forkserver)), env, output, run.agent_file, forkserver)
     agent = Agent(target=_agent_main, args=args)
     agent.start()
     for _, write in pipes:
@@ -148,7 +148,7 @@ def _agent_main(
     thread, not from this agent, whose threads (the store's, a watcher) could hold a lock at the fork."""
     os.setsid()
     if hasattr(os, "pidfd_open"):  # Linux: the agent's parent is the forkserver, so no PR_SET_PDEATHSIG
-        threading.Thread(target=_stop_when_gone, args=(os.pidfd_open(kernel), agent_file), daemon=True).start()
+        when_gone(kernel, lambda: _stop(RunDir(agent_file.parent)))
     if isinstance(output, str):
         log = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         fds = [log, log]
@@ -173,11 +173,25 @@ def _agent_main(
     main(args)
 
 
-def _stop_when_gone(pidfd: int, agent_file: Path) -> None:
-    """Once the process of `pidfd` exits, even by SIGKILL: end the ranks' sessions (what the ranks started: the
-    launcher's end_run, which died with it, would have), then SIGTERM this agent, and torchrun ends the rest."""
-    select.select([pidfd], [], [])
-    for pid in running(RunDir(agent_file.parent).started()):
+def when_gone(pid: int, action: Callable[[], object]) -> None:
+    """Run `action` in a thread once process `pid` exits, even by SIGKILL (Linux's pidfd_open); at once if it has."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        action()
+        return
+
+    def wait() -> None:
+        select.select([pidfd], [], [])
+        action()
+
+    threading.Thread(target=wait, daemon=True).start()
+
+
+def _stop(run: RunDir) -> None:
+    """The kernel is gone: end the ranks' sessions (what the ranks started: the launcher's end_run, which died with
+    it, would have), then SIGTERM this agent, and torchrun ends the rest."""
+    for pid in running(run.started()):
         kill_group(pid, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGTERM)
 
@@ -208,10 +222,13 @@ def end_run(proc: Agent, run: RunDir, grace_s: float = 3.0) -> None:
     if proc.exitcode is None:
         kill_group(proc.pid, signal.SIGTERM)  # the agent stops its workers on SIGTERM
         proc.join(grace_s)
-    kill_group(proc.pid, signal.SIGKILL)
-    # Workers run in sessions of their own (pgid == pid): their groups include their children.
-    for pid in run.pids():
+    # Workers run in sessions of their own (pgid == pid): their groups include their children. Then the agent, which
+    # once they are gone exits through torchrun's shutdown and unlinks its forked ranks' semaphores (not on SIGKILL).
+    for pid in running(run.started()):
         kill_group(pid, signal.SIGKILL)
+    if proc.exitcode is None:
+        proc.join(1)
+    kill_group(proc.pid, signal.SIGKILL)
     proc.join(5)
     deadline = time.monotonic() + 5
     while running(run.started()) and time.monotonic() < deadline:

@@ -9,7 +9,6 @@ import io
 import json
 import multiprocessing
 import os
-import select
 import signal
 import sys
 import threading
@@ -27,14 +26,9 @@ def forked() -> bool:
     return multiprocessing.parent_process() is not None
 
 
-def _end_session_when_gone(pidfd: int) -> None:
-    select.select([pidfd], [], [])
-    os.killpg(0, signal.SIGKILL)
-
-
 def adopt_agent(run: RunDir) -> None:
     """A forked rank takes on what an exec'd one gets from its agent: environment, folder, session, an end with it."""
-    from course_lib.launch.processes import ENV_AT_IMPORT  # imported in the forkserver: its environment
+    from course_lib.launch.processes import ENV_AT_IMPORT, when_gone  # imported in the forkserver: its environment
 
     agent = json.loads(run.agent_file.read_text())
     torchrun_set = {name: value for name, value in os.environ.items() if ENV_AT_IMPORT.get(name) != value}
@@ -42,12 +36,8 @@ def adopt_agent(run: RunDir) -> None:
     os.environ.update({**agent["env"], **torchrun_set})
     os.chdir(agent["cwd"])
     os.setsid()  # as torchrun starts an exec'd rank: the launcher ends its process group
-    try:
-        agent_gone = os.pidfd_open(agent["pid"])
-    except ProcessLookupError:
-        os._exit(1)
     # With the agent gone, this rank's session (it and what it started) ends, as an exec'd rank's would.
-    threading.Thread(target=_end_session_when_gone, args=(agent_gone,), daemon=True).start()
+    when_gone(agent["pid"], lambda: os.killpg(0, signal.SIGKILL))
     for name in ("stdout", "stderr"):  # unbuffered, as PYTHONUNBUFFERED makes an exec'd rank's
         stream = io.TextIOWrapper(io.FileIO(getattr(sys, name).fileno(), "w", closefd=False), write_through=True)
         setattr(sys, name, stream)

@@ -165,7 +165,7 @@ def _still_ours(sid: int, folder: SessionDir) -> bool:
         cmdline = leader.cmdline()
         # the controller names the folder; the agent (forked: the forkserver's command line) is named by torchrun's
         # main, as worker._is_torchrun_agent checks; an engine recorded its start time
-        ours = not cmdline or str(folder.path) in " ".join(cmdline) or leader.name() == "pt_elastic"
+        ours = not cmdline or str(folder.path) in " ".join(cmdline) or _is_agent(leader)
         return ours or sid in running(folder.started())
     except (psutil.NoSuchProcess, ProcessLookupError):
         return True  # the leader is gone: what it started may be left in its session
@@ -173,8 +173,27 @@ def _still_ours(sid: int, folder: SessionDir) -> bool:
         return False
 
 
+def _is_agent(proc: Any) -> bool:
+    """Whether psutil.Process `proc` is a torchrun agent: torchrun's main names it (worker._is_torchrun_agent)."""
+    return proc.name() == "pt_elastic"
+
+
 def end_sessions(folder: SessionDir, leaders: list[int], timeout_s: float = 5.0) -> None:
-    """SIGKILL every process of session_processes (no state to save) until none is left."""
+    """SIGKILL every process of session_processes (no state to save) until none is left.
+
+    The engines first, then the agent by SIGTERM: it exits through torchrun's shutdown, which unlinks the semaphores
+    of its forked ranks' queues; a SIGKILL would leave them in /dev/shm."""
+    import psutil
+
+    for pid in running(folder.started()):
+        kill_group(pid, signal.SIGKILL)
+    agents = []
+    for pid in leaders:
+        with contextlib.suppress(psutil.Error):
+            if _is_agent(agent := psutil.Process(pid)):
+                agent.terminate()
+                agents.append(agent)
+    psutil.wait_procs(agents, timeout=timeout_s)
     for pgid in [*leaders, *folder.rank_pids().values()]:  # most of them, at once
         if _still_ours(pgid, folder):
             kill_group(pgid, signal.SIGKILL)
@@ -188,13 +207,6 @@ def end_sessions(folder: SessionDir, leaders: list[int], timeout_s: float = 5.0)
 
 def end(procs: list[Process], folder: SessionDir, watcher: subprocess.Popen | None = None) -> None:
     """End the agent, every engine, the controller and what they started, then the watcher; return when none is left."""
-    # The engines first, then the agent by SIGTERM: it exits through torchrun's shutdown, which unlinks the
-    # semaphores of its forked ranks' queues; a SIGKILL would leave them in /dev/shm.
-    for pid in running(folder.started()):
-        kill_group(pid, signal.SIGKILL)
-    for agent in (proc for proc in procs if isinstance(proc, Agent) and proc.exitcode is None):
-        kill_group(agent.pid, signal.SIGTERM)
-        agent.join(5)
     end_sessions(folder, [proc.pid for proc in procs])
     for proc in procs:
         proc.wait(5)
