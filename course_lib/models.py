@@ -1,4 +1,4 @@
-"""Tiny deterministic models shared by the notebooks."""
+"""Tiny deterministic models shared by the notebooks, and the shape of any transformer (ModelShape)."""
 
 from __future__ import annotations
 
@@ -15,16 +15,57 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class BlockShape:
-    """The sizes of a transformer block: width, attention heads, feed-forward hidden units."""
+class ModelShape:
+    """A transformer's sizes and its training sequences, from the course's block (BLOCK) to Llama 3 (compose.planner);
+    n_params None counts the shape."""
 
+    n_params: float | None
+    n_layers: int
     d_model: int
     n_heads: int
-    d_ff: int
+    seq: int = 4096
+    micro_batch: float = 1
+    # activation all-reduces per layer and micro-batch: 2 forward, 2 backward with fused qkv (Megatron);
+    # the course's block has separate q, k, v: their input gradients are all-reduced one by one (6)
+    tp_all_reduces: int = 4
+    kv_heads: int | None = None
+    d_ff: int = 0  # 0: 4 x d_model
+    glu: bool = False
+    vocab: int = 0
+    tied: bool = True
+    dropout: bool = True
+
+    @property
+    def kv_ratio(self) -> float:
+        return (self.kv_heads or self.n_heads) / self.n_heads
+
+    @property
+    def ffn(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+
+def parameters(m: ModelShape) -> float:
+    """Weight count from the shape: attention (GQA), MLP (2 or 3 matrices), norms, embedding and an untied head."""
+    if m.n_params is not None:
+        return m.n_params
+    h = m.d_model
+    layer = 2 * h * h * (1 + m.kv_ratio) + (3 if m.glu else 2) * h * m.ffn + 2 * h
+    return m.n_layers * layer + outer_parameters(m)
+
+
+def outer_parameters(m: ModelShape) -> float:
+    """The parameters outside the layers: the embedding table, the head unless tied, the final norm."""
+    return m.vocab * m.d_model * (1 if m.tied else 2) + (m.d_model if m.vocab else 0)
+
+
+def flops_per_token(m: ModelShape) -> float:
+    """Training FLOPs per token as torchtitan counts them for MFU: 6 per matmul weight plus 12·L·h·s of attention."""
+    lookup = 0 if m.tied else m.vocab * m.d_model
+    return 6 * (parameters(m) - lookup) + 12 * m.n_layers * m.d_model * m.seq
 
 
 # The course's block: 48 wide, 12 heads of 4, 192 hidden units. 12 heads split over 1, 2, 3, 4, 6 and 12 ranks.
-BLOCK = BlockShape(d_model=48, n_heads=12, d_ff=192)
+BLOCK = ModelShape(None, n_layers=1, d_model=48, n_heads=12, d_ff=192, tp_all_reduces=6)
 
 
 @contextlib.contextmanager

@@ -41,8 +41,8 @@ CPU = torch.device("cpu")
 def test_korthikanti_terms_add_up_to_the_papers_closed_forms(t):
     s, b, h, a = 2048, 2, 4096, 32
     for sp in (False, True):
-        terms = activations.korthikanti_terms(s, b, h, a, t, sp)
-        assert sum(terms.values()) == pytest.approx(activations.korthikanti_bytes(s, b, h, a, t, sp), rel=1e-12)
+        closed = s * b * h * ((34 + 5 * a * s / h) / t if sp else 10 + 24 / t + 5 * a * s / (h * t))
+        assert activations.korthikanti_bytes(s, b, h, a, t, sp) == pytest.approx(closed, rel=1e-12)
     assert activations.korthikanti_bytes(s, b, h, a) == s * b * h * (34 + 5 * a * s / h)
     selective = sum(activations.korthikanti_terms(s, b, h, a, t, True, selective=True).values())
     assert selective == pytest.approx(34 * s * b * h / t)  # the paper's TP + SP + selective recomputation

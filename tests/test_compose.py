@@ -50,7 +50,7 @@ def test_model_shapes_reproduce_published_sizes_and_flops():
     assert planner.parameters(planner.LLAMA_70B) == pytest.approx(70.55e9, rel=1e-3)
     assert planner.flops_per_token(planner.LLAMA31_8B) == pytest.approx(5.79e10, rel=1e-3)
     g = planner.GPT3_175B
-    megatron = 72 * g.layers * g.hidden**2 + 12 * g.layers * g.hidden * g.seq + 6 * g.vocab * g.hidden
+    megatron = 72 * g.n_layers * g.d_model**2 + 12 * g.n_layers * g.d_model * g.seq + 6 * g.vocab * g.d_model
     assert planner.flops_per_token(g) == pytest.approx(megatron, rel=1e-4)  # the norms' weights only
     # torchtitan's MFU from its tokens/s: 5,762 x 5.79e10 / 989e12
     titan = next(r for r in runs.PUBLISHED if "torchtitan" in r.name)
@@ -61,11 +61,11 @@ def test_activations_generalize_korthikanti_to_gqa_and_swiglu():
     """A GPT layer gives Korthikanti's 34·s·b·h (10 + 24/t); Llama's layer: fewer K/V heads save, SwiGLU's three
     hidden tensors of d_ff cost 6·d_ff/h, and no dropout masks."""
     gpt = planner.GPT3_175B
-    sbh = gpt.seq * gpt.hidden
+    sbh = gpt.seq * gpt.d_model
     assert planner.activation_bytes_per_layer(gpt, 1, sequence_parallel=False) == pytest.approx(34 * sbh)
     assert planner.activation_bytes_per_layer(gpt, 8, sequence_parallel=False) == pytest.approx((10 + 24 / 8) * sbh)
     llama = planner.LLAMA_70B
-    sbh = llama.seq * llama.hidden
+    sbh = llama.seq * llama.d_model
     split = 4 + 4 * 8 / 64 + 6 * 28672 / 8192
     assert planner.activation_bytes_per_layer(llama, 8, sequence_parallel=False) == pytest.approx((8 + split / 8) * sbh)
 

@@ -48,10 +48,8 @@ def korthikanti_terms(
 
 
 def korthikanti_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False) -> float:
-    """The closed forms of the paper's Table 2 (16-bit activations, no recomputation)."""
-    if sequence_parallel:
-        return s * b * h * (34 + 5 * a * s / h) / t
-    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+    """The terms' sum, Table 2 of the paper: sbh(10 + 24/t + 5as/(ht)); sequence-parallel, sbh(34 + 5as/h)/t."""
+    return sum(korthikanti_terms(s, b, h, a, t, sequence_parallel).values())
 
 
 def attention_width(h: int, a: int, head_multiple: int = 1) -> int:

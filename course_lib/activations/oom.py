@@ -12,8 +12,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from course_lib import models
 from course_lib.activations.formulas import course_block_bytes, selective_block_bytes, stack_bytes
 from course_lib.memory import GB, zero_bytes_per_gpu
+from course_lib.models import ModelShape
 
 MiB = 2**20
 
@@ -122,13 +124,13 @@ def unmap_freed_memory(threshold: int = 64 * 1024) -> None:
 
 
 @dataclass(frozen=True)
-class Setup:
-    """A GPT-like stack of course TransformerBlocks (d_ff = 4h), trained with bf16 mixed precision and Adam."""
+class Setup(ModelShape):
+    """A 7B-like stack of course TransformerBlocks (d_ff = 4h), trained with bf16 mixed precision and Adam."""
 
-    hidden: int = 4096
-    heads: int = 32
-    layers: int = 32
-    seq: int = 4096
+    n_params: float | None = None
+    n_layers: int = 32
+    d_model: int = 4096
+    n_heads: int = 32
     micro_batch: int = 4
     gpus: int = 8
     recompute: str = "none"  # none | selective | full
@@ -138,7 +140,7 @@ class Setup:
 
     @property
     def parameters(self) -> float:
-        return 12 * self.hidden**2 * self.layers  # attention 4h² + feed-forward 8h² per layer
+        return models.parameters(self)  # attention 4h², feed-forward 8h² and norms 2h per layer
 
 
 def estimate(setup: Setup, element_bytes: int = 2, stats_bytes: int = 4) -> dict[str, float]:
@@ -147,12 +149,12 @@ def estimate(setup: Setup, element_bytes: int = 2, stats_bytes: int = 4) -> dict
     states = zero_bytes_per_gpu(setup.parameters / t, setup.gpus // t, setup.zero_stage)
     if setup.offload_optimizer:
         states["optimizer"] = 0.0  # lives in CPU memory; the CPU runs the Adam step
-    s, b, h = setup.seq, setup.micro_batch, setup.hidden
-    shape: dict[str, Any] = {"h": h, "a": setup.heads, "d_ff": 4 * h, "element_bytes": element_bytes}
+    s, b, h = setup.seq, setup.micro_batch, setup.d_model
+    shape: dict[str, Any] = {"h": h, "a": setup.n_heads, "d_ff": setup.ffn, "element_bytes": element_bytes}
     per_layer = course_block_bytes(s, b, **shape, stats_bytes=stats_bytes, t=t, sequence_parallel=True)
     block_input = element_bytes * s * b * h / t
-    selective = selective_block_bytes(s, b, h, setup.heads, 4 * h, element_bytes=element_bytes) / t
-    activations = stack_bytes(per_layer, setup.layers, block_input, setup.recompute, selective)["peak"]
+    selective = selective_block_bytes(s, b, h, setup.n_heads, setup.ffn, element_bytes=element_bytes) / t
+    activations = stack_bytes(per_layer, setup.n_layers, block_input, setup.recompute, selective)["peak"]
     out = {part: states[part] for part in ("params", "grads", "optimizer")} | {"activations": activations}
     out["total"] = sum(out.values())
     return out

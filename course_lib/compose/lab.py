@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ def course_model_shape(n_blocks: int, micro_batch: float, seq: int = 6) -> Model
     from course_lib.models import BLOCK, TransformerBlock
 
     per_block = sum(p.numel() for p in TransformerBlock().parameters())
-    return ModelShape(n_blocks * per_block, n_blocks, BLOCK.d_model, BLOCK.n_heads, seq, micro_batch, tp_all_reduces=6)
+    return replace(BLOCK, n_params=n_blocks * per_block, n_layers=n_blocks, seq=seq, micro_batch=micro_batch)
 
 
 def predicted_bytes_by_dimension(
@@ -79,8 +80,8 @@ def draw_plan(billions: int, nodes: int, gpus_per_node: int, tp: int, pp: int, i
     import matplotlib.pyplot as plt
 
     n_gpus = nodes * gpus_per_node
-    shape = ModelShape(n_params=billions * 1e9, layers=80, hidden=8192 if billions >= 30 else 4096, heads=64)
-    if n_gpus % (tp * pp) or tp > gpus_per_node or shape.layers % pp:
+    shape = ModelShape(billions * 1e9, n_layers=80, d_model=8192 if billions >= 30 else 4096, n_heads=64)
+    if n_gpus % (tp * pp) or tp > gpus_per_node or shape.n_layers % pp:
         print(f"{n_gpus} GPUs cannot be split into tp={tp} x pp={pp} (tp inside a node, 80 layers over pp)")
         return
     r = plan(shape, n_gpus // (tp * pp), tp, pp, Cluster(gpus_per_node, inter_node_GBps=inter_node_GBps))
@@ -173,8 +174,8 @@ def plan_options(
                     if (
                         tp > cluster.gpus_per_node
                         or n_gpus % (tp * pp * cp)
-                        or m.layers % (pp * v)
-                        or m.heads % tp
+                        or m.n_layers % (pp * v)
+                        or m.n_heads % tp
                         or m.seq % cp
                         or (v > 1 and pp == 1)
                     ):

@@ -1,35 +1,55 @@
-"""Kernel-only planner: memory, bytes, time per GPU for (dp, tp, pp, cp, v); bytes follow comms.RING, as ranks count."""
+"""Kernel-only planner: memory, bytes, time per GPU for (dp, tp, pp, cp, v) of Llama 3 or Megatron's runs on H100 or
+A100 nodes; bytes follow comms.RING, as ranks count."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from course_lib.activations.formulas import KORTHIKANTI_TERMS, korthikanti_terms
 from course_lib.comms import sent_per_rank
-from course_lib.compose.shapes import (  # noqa: F401 (the planner's names)
-    A100_NODES,
-    GPT3_175B,
-    H100_NODES,
-    LLAMA31_8B,
-    LLAMA_70B,
-    MEGATRON_1T,
-    Cluster,
-    ModelShape,
-    flops_per_token,
-    parameters,
-)
+from course_lib.fsdp.zero import fsdp_collectives
 from course_lib.memory import GB, zero_bytes_per_gpu
+from course_lib.models import ModelShape, flops_per_token, outer_parameters, parameters
 from course_lib.pipeline.schedules import ideal_bubble
 
 LOSS_BYTES = 4  # the logits the loss keeps: Megatron and torchtitan upcast them to fp32 for the cross-entropy
 CP_GRAD_BYTES = 4  # torch's ring attention sends dK/dV in fp32 (_cp_options.convert_to_f32 is True by default)
+
+LLAMA_70B = ModelShape(  # Llama 3 70B (Meta's params.json), at its 8,192-token pre-training context
+    None, 80, 8192, 64, 8192, kv_heads=8, d_ff=28672, glu=True, vocab=128256, tied=False, dropout=False
+)
+LLAMA31_8B = ModelShape(
+    None, 32, 4096, 32, 8192, kv_heads=8, d_ff=14336, glu=True, vocab=128256, tied=False, dropout=False
+)
+GPT3_175B = ModelShape(None, 96, 12288, 96, 2048, vocab=51200)
+MEGATRON_1T = ModelShape(None, 128, 25600, 160, 2048, vocab=51200)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """GPUs per node, and one GPU's bandwidth inside a node (NVLink) and between nodes (InfiniBand)."""
+
+    gpus_per_node: int = 8
+    intra_node_GBps: float = 450.0
+    inter_node_GBps: float = 50.0
+    peak_TFLOPs: float = 989.0  # dense 16-bit matmuls (H100 SXM)
+    # the step-time model's assumptions: start-up time of one collective step, and the fraction of the peak that
+    # the layers' matmuls reach (large GEMMs; attention kernels and element-wise work reach less)
+    intra_latency_s: float = 5e-6
+    inter_latency_s: float = 10e-6
+    matmul_efficiency: float = 0.7
+
+
+H100_NODES = Cluster()  # 8 H100 per node: NVLink 4 inside, one 400 Gb/s InfiniBand link per GPU between nodes
+# 8 A100 80GB per node (Selene): NVLink 3 (300 GB/s each way), 8 x 200 Gb/s HDR InfiniBand per node
+A100_NODES = Cluster(intra_node_GBps=300.0, inter_node_GBps=25.0, peak_TFLOPs=312.0, matmul_efficiency=0.8)
 
 
 def activation_bytes_per_layer(
     m: ModelShape, tp: int, sequence_parallel: bool = True, recompute: str = "none", attention: str = "sdpa"
 ) -> float:
     """16-bit bytes a layer keeps per micro-batch: Korthikanti et al.'s terms fitted to GQA, SwiGLU and torch's SP."""
-    s, b, h = m.seq, m.micro_batch, m.hidden
+    s, b, h = m.seq, m.micro_batch, m.d_model
     if recompute == "full":
         return 2 * s * b * h / (tp if sequence_parallel else 1)
     keep_scores = attention == "eager" and recompute != "selective"
@@ -44,7 +64,7 @@ def activation_bytes_per_layer(
     }
     gathered = ("attention: QKV input (LayerNorm output)", "MLP: first linear input")  # whole under torch's SP
     sequence_split = {name for name, _, _, split in KORTHIKANTI_TERMS if not split and name not in gathered}
-    terms = korthikanti_terms(s, 1, h, m.heads, tp, selective=not keep_scores)  # b may be fractional: times b below
+    terms = korthikanti_terms(s, 1, h, m.n_heads, tp, selective=not keep_scores)  # b may be fractional: times b below
     return b * sum(
         size * scale.get(name, 1.0) / (tp if sequence_parallel and name in sequence_split else 1)
         for name, size in terms.items()
@@ -59,36 +79,6 @@ def microbatches(global_batch: int, dp: int, micro_batch: float) -> int:
 def in_flight(pp: int, virtual_stages: int = 1) -> float:
     """Micro-batches alive at 1F1B's peak on the first stage, in L/pp-layer units (Korthikanti et al. 2022, 4.2.3)."""
     return pp * (1 + (pp - 1) / (pp * virtual_stages)) if virtual_stages > 1 else pp
-
-
-def fsdp_collectives(
-    n_mb: int,
-    zero_stage: int = 3,
-    reshard_after_forward: bool = True,
-    reshard_after_backward: bool = True,
-    defer_grad_sync: bool = False,
-) -> dict[str, int]:
-    """Data-parallel collectives per FSDP unit and step, each moving that unit's parameters (or gradients).
-
-    ZeRO-3 gathers a unit's parameters whenever it runs while resharded: with reshard_after_forward, in
-    every micro-batch's forward and again in its backward (2 per micro-batch); without it, once per
-    micro-batch. reshard_after_backward=False keeps them gathered after the first backward, so the
-    other micro-batches gather them only in the forward that resharded them (n_mb + 1), or never
-    again (1), when micro-batches run all forwards then all backwards (GPipe) or one after the other.
-    Gradients are reduce-scattered after every micro-batch's backward unless the sync is deferred to
-    the last (set_requires_gradient_sync(False) before, as DDP's no_sync). ZeRO-1/2 gather the updated
-    parameters once per step; ZeRO-0 (DDP) all-reduces the gradients instead.
-    """
-    syncs = 1 if defer_grad_sync else n_mb
-    if zero_stage == 0:
-        return {"all_gather": 0, "reduce_scatter": 0, "all_reduce": syncs}
-    if zero_stage in (1, 2):
-        return {"all_gather": 1, "reduce_scatter": syncs, "all_reduce": 0}
-    if reshard_after_backward:
-        gathers = n_mb * (2 if reshard_after_forward else 1)
-    else:
-        gathers = n_mb + 1 if reshard_after_forward else 1
-    return {"all_gather": gathers, "reduce_scatter": syncs, "all_reduce": 0}
 
 
 def _pipelining_choices(
@@ -121,7 +111,7 @@ def collectives_per_step(
     none. The FSDP choices default as in :func:`plan` (pipelining's where pp > 1). Notebook 13 asserts these counts
     against simulated ranks."""
     reshard_after_backward, defer_grad_sync = _pipelining_choices(pp, reshard_after_backward, defer_grad_sync)
-    layers = m.layers // pp
+    layers = m.n_layers // pp
     calls = {}
     if dp * cp > 1:
         per_unit = fsdp_collectives(n_mb, zero_stage, reshard_after_forward, reshard_after_backward, defer_grad_sync)
@@ -141,11 +131,6 @@ def step_time(r: dict[str, float]) -> float:
     """
     hidden = r["dp_s"] + r["pp_s"]
     return r["compute_s"] / (1 - r["bubble"]) + r["tp_s"] + r["cp_s"] + max(0.0, hidden - r["compute_s"])
-
-
-def outer_parameters(m: ModelShape) -> float:
-    """The parameters outside the layers: the embedding table, the head unless tied, the final norm."""
-    return m.vocab * m.hidden * (1 if m.tied else 2) + (m.hidden if m.vocab else 0)
 
 
 def plan(
@@ -172,8 +157,8 @@ def plan(
     """Memory (GB), bytes sent (GB) and their time per GPU and step on a (pp, dp, cp, tp) mesh, tp inside a node."""
     if tp > cluster.gpus_per_node:
         raise ValueError(f"tp={tp} spans nodes: keep tensor parallelism inside a node (tp <= {cluster.gpus_per_node})")
-    if m.layers % (pp * virtual_stages):
-        raise ValueError(f"{m.layers} layers do not split into pp={pp} x v={virtual_stages} equal stages")
+    if m.n_layers % (pp * virtual_stages):
+        raise ValueError(f"{m.n_layers} layers do not split into pp={pp} x v={virtual_stages} equal stages")
     if cp > 1 and attention != "sdpa":
         raise ValueError("context parallelism runs torch's fused SDPA kernels only (attention='sdpa')")
     reshard_after_backward, defer_grad_sync = _pipelining_choices(pp, reshard_after_backward, defer_grad_sync)
@@ -181,7 +166,7 @@ def plan(
     shard = dp * cp  # FSDP's group
     calls = collectives_per_step(m, dp, tp, pp, n_mb, cp=cp, zero_stage=zero_stage)
     local = replace(m, seq=m.seq // cp)  # what one cp rank computes on
-    layer_params = (parameters(m) - outer_parameters(m)) / m.layers
+    layer_params = (parameters(m) - outer_parameters(m)) / m.n_layers
     per_layer = activation_bytes_per_layer(local, tp, sequence_parallel, recompute, attention)
     one_layer = activation_bytes_per_layer(local, tp, sequence_parallel, "none", attention)
     tokens = local.seq * m.micro_batch
@@ -189,11 +174,11 @@ def plan(
     stages = []
     for first, last in dict.fromkeys([(True, pp == 1), (pp == 1, True)]):
         tables = first + (last and (not m.tied or not first))  # embedding, head (a tied head's copy on the last)
-        final_norm = m.hidden if last and m.vocab else 0  # whole on every tp rank
-        params = (m.layers / pp * layer_params + tables * m.vocab * m.hidden) / tp + final_norm
-        layers_alive = m.layers / pp * (in_flight(pp, virtual_stages) if first else 1)
+        final_norm = m.d_model if last and m.vocab else 0  # whole on every tp rank
+        params = (m.n_layers / pp * layer_params + tables * m.vocab * m.d_model) / tp + final_norm
+        layers_alive = m.n_layers / pp * (in_flight(pp, virtual_stages) if first else 1)
         activations = layers_alive * per_layer + (one_layer if recompute == "full" else 0.0)
-        output = tokens * (2 * m.hidden / sp + 2 * m.hidden + LOSS_BYTES * m.vocab / tp) if last and m.vocab else 0.0
+        output = tokens * (2 * m.d_model / sp + 2 * m.d_model + LOSS_BYTES * m.vocab / tp) if last and m.vocab else 0.0
         state = zero_bytes_per_gpu(params, shard, zero_stage)
         kept = 0.0  # what the choices keep whole between micro-batches: gathered params, unsharded gradients
         if zero_stage == 3 and not (reshard_after_forward and reshard_after_backward):
@@ -205,12 +190,12 @@ def plan(
     total, params, state, kept, activations, output = max(stages, key=lambda stage: stage[0])
 
     rerun = recompute == "full"
-    act_msg = tokens * m.hidden * bytes_per_value  # one activation tensor of a micro-batch on one cp rank
+    act_msg = tokens * m.d_model * bytes_per_value  # one activation tensor of a micro-batch on one cp rank
     tp_calls = calls.get("tp all_reduce", 0) * (1.5 if rerun else 1)  # the rerun forward's again
     tp_bytes = tp_calls * sent_per_rank("all_reduce", act_msg, tp)
-    kv = 2 * m.seq * m.micro_batch * m.hidden * m.kv_ratio  # K and V values of a whole sequence, per layer
+    kv = 2 * m.seq * m.micro_batch * m.d_model * m.kv_ratio  # K and V values of a whole sequence, per layer
     cp_per_layer = kv * (cp - 1) / cp * bytes_per_value * (3 if rerun else 2) + kv * CP_GRAD_BYTES
-    cp_bytes = m.layers / pp * n_mb * cp_per_layer / tp if cp > 1 else 0.0  # tp splits the K/V heads
+    cp_bytes = m.n_layers / pp * n_mb * cp_per_layer / tp if cp > 1 else 0.0  # tp splits the K/V heads
     per_unit = fsdp_collectives(n_mb, zero_stage, reshard_after_forward, reshard_after_backward, defer_grad_sync)
     dp_bytes = (
         per_unit["all_gather"] * sent_per_rank("all_gather", params * bytes_per_value, shard)

@@ -40,7 +40,7 @@ class Run:
 
 def megatron_mfu(tflops_per_gpu: float, m: ModelShape, peak_tflops: float) -> float:
     """MFU from Megatron's TFLOP/s per GPU, which count the recomputed forward too (Narayanan et al. 2021, eq. 3)."""
-    layers, h, s = m.layers, m.hidden, m.seq
+    layers, h, s = m.n_layers, m.d_model, m.seq
     counted = 96 * layers * h * h + 16 * layers * h * s + 6 * m.vocab * h
     return tflops_per_gpu / peak_tflops * flops_per_token(m) / counted
 

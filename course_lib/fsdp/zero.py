@@ -1,4 +1,5 @@
-"""ZeRO 0-3 from scratch (notebook 01's rings); compile and FSDP2 in both orders: FSDP2's hooks are dynamo-disabled."""
+"""ZeRO 0-3 from scratch (notebook 01's rings) and FSDP's collectives per step (the planner's too); compile and FSDP2
+in both orders: FSDP2's hooks are dynamo-disabled."""
 
 from __future__ import annotations
 
@@ -13,14 +14,41 @@ from course_lib.collectives import chunk_sizes, ring_all_gather, ring_all_reduce
 from course_lib.models import shard_layers_then_root
 
 
+def fsdp_collectives(
+    n_mb: int,
+    zero_stage: int = 3,
+    reshard_after_forward: bool = True,
+    reshard_after_backward: bool = True,
+    defer_grad_sync: bool = False,
+) -> dict[str, int]:
+    """Data-parallel collectives per FSDP unit and step, each moving that unit's parameters (or gradients).
+
+    ZeRO-3 gathers a unit's parameters whenever it runs while resharded: with reshard_after_forward, in
+    every micro-batch's forward and again in its backward (2 per micro-batch); without it, once per
+    micro-batch. reshard_after_backward=False keeps them gathered after the first backward, so the
+    other micro-batches gather them only in the forward that resharded them (n_mb + 1), or never
+    again (1), when micro-batches run all forwards then all backwards (GPipe) or one after the other.
+    Gradients are reduce-scattered after every micro-batch's backward unless the sync is deferred to
+    the last (set_requires_gradient_sync(False) before, as DDP's no_sync). ZeRO-1/2 gather the updated
+    parameters once per step; ZeRO-0 (DDP) all-reduces the gradients instead.
+    """
+    syncs = 1 if defer_grad_sync else n_mb
+    if zero_stage == 0:
+        return {"all_gather": 0, "reduce_scatter": 0, "all_reduce": syncs}
+    if zero_stage in (1, 2):
+        return {"all_gather": 1, "reduce_scatter": syncs, "all_reduce": 0}
+    if reshard_after_backward:
+        gathers = n_mb * (2 if reshard_after_forward else 1)
+    else:
+        gathers = n_mb + 1 if reshard_after_forward else 1
+    return {"all_gather": gathers, "reduce_scatter": syncs, "all_reduce": 0}
+
+
 def zero_collectives(stage: int, units: int, clip: bool = False) -> dict[str, int]:
-    """The formula the counts are checked against: collective calls per training step."""
-    calls = {
-        0: {"all_reduce": units},
-        1: {"all_reduce": units, "all_gather": units},
-        2: {"reduce_scatter": units, "all_gather": units},
-        3: {"reduce_scatter": units, "all_gather": 2 * units},
-    }[stage]
+    """The formula the counts are checked against: :func:`fsdp_collectives` of one micro-batch for each of the units
+    (this ZeRO-1 all-reduces the gradient, which it keeps whole), and clipping's all-reduce of the norm."""
+    per_unit = fsdp_collectives(1, stage) | ({"all_reduce": 1, "reduce_scatter": 0} if stage == 1 else {})
+    calls = {op: units * n for op, n in per_unit.items() if n}
     if clip and stage > 0:
         calls["all_reduce"] = calls.get("all_reduce", 0) + 1
     return dict(sorted(calls.items()))

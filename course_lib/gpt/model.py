@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from course_lib.models import TransformerBlock
+from course_lib import models
+from course_lib.models import ModelShape, TransformerBlock
 
 
 @dataclass(frozen=True)
@@ -120,9 +121,9 @@ def count_parameters(config: GPTConfig) -> dict[str, int]:
 
 
 def flops_per_token(config: GPTConfig) -> int:
-    """Training FLOPs per token: 6 x matmul weights + 12·n_layers·d_model·seq attention (PaLM: causal not halved)."""
-    c = config
-    return 6 * count_parameters(c)["matmul"] + 12 * c.n_layers * c.d_model * c.seq
+    """models.flops_per_token with the matmul weights as parameters: 6 per weight + 12·n_layers·d_model·seq."""
+    shape = ModelShape(count_parameters(config)["matmul"], config.n_layers, config.d_model, config.n_heads, config.seq)
+    return int(models.flops_per_token(shape))
 
 
 @torch.no_grad()
