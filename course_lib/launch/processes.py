@@ -204,7 +204,7 @@ def running(pids: Iterable[int] | dict[int, float]) -> list[int]:
     for pid in pids:
         try:
             proc = psutil.Process(pid)
-            # create_time adds /proc/stat's btime, a whole second that steps as the clock is slewed: allow 1 s of it
+            # create_time adds /proc/stat's btime, whole seconds that move when the clock is set: allow 1 s of it
             same = not isinstance(pids, dict) or abs(proc.create_time() - pids[pid]) < 1.5
             if same and proc.status() != psutil.STATUS_ZOMBIE:
                 alive.append(pid)
