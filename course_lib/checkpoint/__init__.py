@@ -36,7 +36,6 @@ from course_lib.checkpoint.lab import (
     agent_messages,
     compare_sync,
     draw_reads,
-    plot_elastic,
     run_elastic,
     run_torchft,
     segments,

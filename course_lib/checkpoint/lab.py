@@ -1,4 +1,5 @@
-"""Notebook 06's lab, kernel side: the elastic run (two torchrun agents, one rendezvous), torchft runs, the figures."""
+"""Kernel side of notebooks 06 and 07: 07's elastic run (two torchrun agents, one rendezvous) and torchft runs, 06's
+read-plan figure (07's figures are in fault_tolerance/lab.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -22,10 +23,6 @@ from course_lib.checkpoint.sharded import read_plan, shard_rows
 from course_lib.checkpoint.train import EVENTS
 from course_lib.launch import processes
 from course_lib.launch.spec import RunDir, RunSpec, visible_gpu
-
-if TYPE_CHECKING:
-    from matplotlib.figure import Figure
-
 
 # Elastic membership on one machine: two torchrun agents (`--nnodes 1:2`, "nodes") join and leave one c10d
 # rendezvous that node 0 hosts; each change restarts the group at the new world size (rank side: train_elastic).
@@ -363,33 +360,6 @@ def compare_sync(root: str | os.PathLike, *, steps: int = 24, timeout_s: float =
     left = _end(nodes)
     records = [json.loads((root / f"synced_{r}.json").read_text()) for r in (0, 1)]
     return SyncComparison(records[0], steps, records[0] == records[1], left)
-
-
-# Kernel side (figures only): the loss curve of an elastic run against uninterrupted runs.
-
-
-def plot_elastic(segments: list[Segment], references: dict[int, list[float]]) -> Figure:
-    """Each start's losses (colour = world size) over the uninterrupted runs at each world size."""
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 3))
-    styles = {1: ("tab:blue", "-"), 2: ("tab:orange", "--")}
-    for world, losses in sorted(references.items()):
-        color, line = styles.get(world, ("gray", ":"))
-        ax.plot(range(len(losses)), losses, line, color=color, alpha=0.5, label=f"uninterrupted, {world} rank(s)")
-    for i, segment in enumerate(segments):
-        color, _ = styles.get(segment.world, ("gray", ":"))
-        ax.plot(segment.steps, segment.losses, "o", color=color, label=f"elastic, {segment.world} rank(s)")
-        if i:
-            ax.axvline(segment.steps[0] - 0.5, color="gray", linestyle=":", linewidth=1)
-            change = "joins" if segment.world > segments[i - 1].world else "leaves"
-            ax.text(segment.steps[0] - 0.4, max(segment.losses), f"node 1 {change}", fontsize=8, va="top")
-    handles, labels = ax.get_legend_handles_labels()
-    unique = dict(zip(labels, handles))
-    ax.legend(unique.values(), unique.keys(), fontsize=8)
-    ax.set(xlabel="step", ylabel="loss (global batch)", title="one loss curve across two membership changes")
-    fig.tight_layout()
-    return fig
 
 
 def draw_reads(saved_world: int, loading_world: int, rows: int) -> None:

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from course_lib.checkpoint import Segment
 
 
 def draw_rendezvous_rounds(worlds: Sequence[int], steps: Sequence[tuple[int, int]]) -> None:
@@ -95,3 +101,27 @@ def draw_replica_groups(quorum: dict[int, int], killed_at: int, healed_at: int) 
     right.legend(fontsize=7, loc="lower left")
     plt.tight_layout()
     plt.show()
+
+
+def plot_elastic(segments: list[Segment], references: dict[int, list[float]]) -> Figure:
+    """Each start's losses (colour = world size) over the uninterrupted runs at each world size."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 3))
+    styles = {1: ("tab:blue", "-"), 2: ("tab:orange", "--")}
+    for world, losses in sorted(references.items()):
+        color, line = styles.get(world, ("gray", ":"))
+        ax.plot(range(len(losses)), losses, line, color=color, alpha=0.5, label=f"uninterrupted, {world} rank(s)")
+    for i, segment in enumerate(segments):
+        color, _ = styles.get(segment.world, ("gray", ":"))
+        ax.plot(segment.steps, segment.losses, "o", color=color, label=f"elastic, {segment.world} rank(s)")
+        if i:
+            ax.axvline(segment.steps[0] - 0.5, color="gray", linestyle=":", linewidth=1)
+            change = "joins" if segment.world > segments[i - 1].world else "leaves"
+            ax.text(segment.steps[0] - 0.4, max(segment.losses), f"node 1 {change}", fontsize=8, va="top")
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    ax.legend(unique.values(), unique.keys(), fontsize=8)
+    ax.set(xlabel="step", ylabel="loss (global batch)", title="one loss curve across two membership changes")
+    fig.tight_layout()
+    return fig

@@ -54,7 +54,7 @@ def die_with_parent() -> None:
 
         # The agent may have died before this line ran: then the parent is already a reaper (pid 1 or a
         # subreaper), which prctl would not watch. Only a torchrun agent is a parent worth waiting for.
-        if not _is_torchrun_agent(parent):
+        if not is_torchrun_agent(parent):
             os._exit(1)
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -70,7 +70,7 @@ def die_with_parent() -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def _is_torchrun_agent(pid: int) -> bool:
+def is_torchrun_agent(pid: int) -> bool:
     """Whether `pid` is a torchrun agent: torchrun's main names its thread pt_elastic (forked agents' included)."""
     try:
         return Path(f"/proc/{pid}/comm").read_bytes().strip() == b"pt_elastic"

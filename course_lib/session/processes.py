@@ -16,6 +16,7 @@ from typing import Any
 from course_lib.launch.failures import exit_codes, how_it_ended
 from course_lib.launch.processes import Agent, kill_group, running, start_agent
 from course_lib.launch.spec import RunDir, RunSpec
+from course_lib.launch.worker import is_torchrun_agent
 
 CLUSTER_ID = "session"
 START_TIMEOUT_S = 180.0  # start-up of the controller and every engine (slow on a loaded machine)
@@ -164,18 +165,13 @@ def _still_ours(sid: int, folder: SessionDir) -> bool:
             return False  # a newcomer: what was left of the session is gone
         cmdline = leader.cmdline()
         # the controller names the folder; the agent (forked: the forkserver's command line) is named by torchrun's
-        # main, as worker._is_torchrun_agent checks; an engine recorded its start time
-        ours = not cmdline or str(folder.path) in " ".join(cmdline) or _is_agent(leader)
+        # main (is_torchrun_agent); an engine recorded its start time
+        ours = not cmdline or str(folder.path) in " ".join(cmdline) or is_torchrun_agent(sid)
         return ours or sid in running(folder.started())
     except (psutil.NoSuchProcess, ProcessLookupError):
         return True  # the leader is gone: what it started may be left in its session
     except (psutil.Error, OSError):
         return False
-
-
-def _is_agent(proc: Any) -> bool:
-    """Whether psutil.Process `proc` is a torchrun agent: torchrun's main names it (worker._is_torchrun_agent)."""
-    return proc.name() == "pt_elastic"
 
 
 def end_sessions(folder: SessionDir, leaders: list[int], timeout_s: float = 5.0) -> None:
@@ -190,9 +186,9 @@ def end_sessions(folder: SessionDir, leaders: list[int], timeout_s: float = 5.0)
     agents = []
     for pid in leaders:
         with contextlib.suppress(psutil.Error):
-            if _is_agent(agent := psutil.Process(pid)):
+            if is_torchrun_agent(pid):
+                agents.append(agent := psutil.Process(pid))
                 agent.terminate()
-                agents.append(agent)
     psutil.wait_procs(agents, timeout=timeout_s)
     for pgid in [*leaders, *folder.rank_pids().values()]:  # most of them, at once
         if _still_ours(pgid, folder):
