@@ -399,33 +399,6 @@ def test_prediction_of_bytes_read_per_loading_rank(saved, loading, capsys):
     assert "too" in capsys.readouterr().out
 
 
-# ---- elastic membership: torchrun --nnodes 1:2, a node joins, a node leaves ------------------------------------
-
-
-def test_elastic_run_ends_every_process_at_its_timeout(tmp_path):
-    """6 s cannot hold the whole run. The phase it stops in depends on the machine's speed (node 0's first pause under
-    load, the two nodes' pause on an idle machine); in any of them both nodes' processes end."""
-    phases = r"(node 0 alone to pause|both nodes to pause) at step \d+|node 0 to finish"
-    with pytest.raises(TimeoutError, match=rf"^gave up waiting for ({phases}): every process was ended") as caught:
-        ck.run_elastic(tmp_path / "elastic", timeout_s=6)
-    assert caught.value.__notes__[-1] == "processes left behind after ending both nodes: []"
-
-
-def test_segments_split_the_log_at_each_start_that_trained():
-    events = [
-        {"event": "start", "world": 1, "step": 0, "saved_by": None, "restarts": 0},
-        {"event": "step", "world": 1, "step": 0, "loss": 1.0},
-        {"event": "pause", "world": 1, "step": 1},
-        {"event": "start", "world": 1, "step": 1, "saved_by": 1, "restarts": 0},  # restarted without the change
-        {"event": "start", "world": 2, "step": 1, "saved_by": 1, "restarts": 0},
-        {"event": "step", "world": 2, "step": 1, "loss": 0.5},
-    ]
-    assert ck.segments(events) == [
-        ck.Segment(1, None, None, 0, (0,), (1.0,)),
-        ck.Segment(2, 1, 1, 0, (1,), (0.5,)),
-    ]
-
-
 def _fake_gpu_rank(monkeypatch) -> dict:
     """AppState on a GPU rank, faked: rank_device is cuda, and the CUDA generator's state is 16 bytes in a dict."""
     from course_lib.checkpoint import dcp as dcp_module

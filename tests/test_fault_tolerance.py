@@ -1,6 +1,7 @@
-"""torchft (notebook 07, sections 3 and 4): replica groups that keep training when one dies; LocalSGD and DiLoCo.
+"""Notebook 07: elastic membership (section 2); torchft (sections 3 and 4): replica groups that keep training when one
+dies; LocalSGD and DiLoCo.
 
-Each replica group is a one-rank torchrun run started by the elastic run's machinery (checkpoint/lab.py); the
+Each replica group is a one-rank torchrun run started by the elastic run's machinery (fault_tolerance/lab.py); the
 lighthouse runs in this process. Every test also checks that no process of its runs is left. The kill-and-heal run
 itself is asserted in notebook 07 (section 3), step by step; its elastic counterpart (a node joins, a node leaves)
 in section 2. Then the checkers of notebook 07's exercises, against their solutions and named wrong answers.
@@ -13,27 +14,55 @@ from fractions import Fraction
 
 import pytest
 
-from course_lib import checkpoint as ck
 from course_lib import fault_tolerance as ft
 from course_lib.models import MLP
 from tests.rank_programs import assert_checker, run, world_sizes
 from tests.rank_programs import fault_tolerance as ft_programs
 
+# ---- elastic membership: torchrun --nnodes 1:2, a node joins, a node leaves ------------------------------------
+
+
+def test_elastic_run_ends_every_process_at_its_timeout(tmp_path):
+    """6 s cannot hold the whole run. The phase it stops in depends on the machine's speed (node 0's first pause under
+    load, the two nodes' pause on an idle machine); in any of them both nodes' processes end."""
+    phases = r"(node 0 alone to pause|both nodes to pause) at step \d+|node 0 to finish"
+    with pytest.raises(TimeoutError, match=rf"^gave up waiting for ({phases}): every process was ended") as caught:
+        ft.run_elastic(tmp_path / "elastic", timeout_s=6)
+    assert caught.value.__notes__[-1] == "processes left behind after ending both nodes: []"
+
+
+def test_segments_split_the_log_at_each_start_that_trained():
+    events = [
+        {"event": "start", "world": 1, "step": 0, "saved_by": None, "restarts": 0},
+        {"event": "step", "world": 1, "step": 0, "loss": 1.0},
+        {"event": "pause", "world": 1, "step": 1},
+        {"event": "start", "world": 1, "step": 1, "saved_by": 1, "restarts": 0},  # restarted without the change
+        {"event": "start", "world": 2, "step": 1, "saved_by": 1, "restarts": 0},
+        {"event": "step", "world": 2, "step": 1, "loss": 0.5},
+    ]
+    assert ft.segments(events) == [
+        ft.Segment(1, None, None, 0, (0,), (1.0,)),
+        ft.Segment(2, 1, 1, 0, (1,), (0.5,)),
+    ]
+
+
+# ---- torchft: replica groups, a lighthouse, LocalSGD and DiLoCo ------------------------------------------------
+
 
 def test_a_torchft_run_ends_every_process_at_its_timeout(tmp_path):
     with pytest.raises(TimeoutError, match=r"^gave up waiting for replica \S+ to \w+") as caught:
-        ck.run_torchft(tmp_path / "torchft", timeout_s=3)
+        ft.run_torchft(tmp_path / "torchft", timeout_s=3)
     assert caught.value.__notes__[-1] == "processes left behind after ending every replica: []"
 
 
 def test_local_sgd_and_diloco_send_one_over_h_of_ddps_bytes(tmp_path):
-    sync = ck.compare_sync(tmp_path / "sync", steps=8, timeout_s=240)
-    assert list(sync.runs) == list(ck.SYNC_RUNS)
+    sync = ft.compare_sync(tmp_path / "sync", steps=8, timeout_s=240)
+    assert list(sync.runs) == list(ft.SYNC_RUNS)
     parameters = sum(p.numel() for p in MLP().parameters())
     ddp = Fraction(sum(sync.runs["DDP"]["allreduced"]), 8)
     assert ddp == 4 * parameters  # every gradient, every step
     assert len(sync.runs["DDP"]["allreduced"]) == 8  # one bucket per step for this small model
-    for name, (method, h) in ck.SYNC_RUNS.items():
+    for name, (method, h) in ft.SYNC_RUNS.items():
         record = sync.runs[name]
         assert Fraction(sum(record["allreduced"]), 8) / ddp == Fraction(1, h), name
         if method != "ddp":  # one all-reduce per parameter tensor at each synchronisation
@@ -53,7 +82,7 @@ def test_step_losses_average_the_replicas_that_trained():
     ]
     log_b = [{"event": "step", "step": 0, "healed": False, "loss": 3.0}, {"event": "pause", "step": 1}]
     log_c = [{"event": "step", "step": 1, "healed": True, "loss": None}]
-    assert ck.step_losses([log_a, log_b, log_c]) == {0: 2.0, 1: 0.5}
+    assert ft.step_losses([log_a, log_b, log_c]) == {0: 2.0, 1: 0.5}
 
 
 def test_replicas_wait_for_what_the_lighthouse_has_received():
@@ -61,8 +90,8 @@ def test_replicas_wait_for_what_the_lighthouse_has_received():
 
     from torchft.coordination import LighthouseClient
 
-    from course_lib.checkpoint.fault_tolerance import wait_at_lighthouse
-    from course_lib.checkpoint.lab import _lighthouse
+    from course_lib.fault_tolerance.lab import _lighthouse
+    from course_lib.fault_tolerance.replicas import wait_at_lighthouse
 
     server, address = _lighthouse()
     try:

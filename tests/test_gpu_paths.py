@@ -75,7 +75,7 @@ def test_the_new_flag_alone_trips_torchs_mixed_api_check(setup, message):
     ids=["no-mask", "slurm-share", "uuids"],
 )
 def test_each_elastic_node_takes_its_own_gpu_of_those_the_kernel_sees(monkeypatch, inherited, expected):
-    from course_lib.checkpoint import lab
+    from course_lib.fault_tolerance import lab
     from course_lib.launch import spec as backend
 
     monkeypatch.setattr(backend, "available_gpus", lambda: 4)  # resolve_backend asks torch.cuda otherwise

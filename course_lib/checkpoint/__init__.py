@@ -23,23 +23,7 @@ from course_lib.checkpoint.dcp import (
     load_safetensors,
     save_safetensors,
 )
-from course_lib.checkpoint.fault_tolerance import (
-    LIGHTHOUSE,
-    SYNC_RUNS,
-    reference_losses,
-    step_losses,
-    synchronised,
-    torchft_step,
-)
-from course_lib.checkpoint.lab import (
-    Segment,
-    agent_messages,
-    compare_sync,
-    draw_reads,
-    run_elastic,
-    run_torchft,
-    segments,
-)
+from course_lib.checkpoint.lab import draw_reads
 from course_lib.checkpoint.raw_rows import bytes_read_by_process, row_bytes, write_rows
 from course_lib.checkpoint.sharded import (
     bytes_to_read,
@@ -57,7 +41,6 @@ from course_lib.checkpoint.train import (
     make_optimizer,
     sharded_mlp,
     time_saves,
-    train_elastic,
     train_resumable,
     train_step,
 )
