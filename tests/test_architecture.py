@@ -126,6 +126,23 @@ def test_a_package_exports_only_what_is_used_outside_it(package: Path):
     assert all(hasattr(module, name) for name in exported)
 
 
+@pytest.mark.parametrize("package", TECHNIQUES, ids=lambda p: p.name)
+def test_a_technique_uses_another_only_through_its_package(package: Path):
+    """A later lesson builds on an earlier one's exports (docs/architecture.md), never on its modules."""
+    techniques = {p.name for p in TECHNIQUES} - {package.name}
+    reached = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            reached += [
+                f"{path.name}: {name}"
+                for name in names
+                if name.count(".") >= 2 and name.split(".")[:2] in (["course_lib", t] for t in techniques)
+            ]
+    assert not reached, f"{reached}: import these from the package (its __init__ exports them)"
+
+
 @pytest.mark.parametrize("module", ["course_lib", "course_lib.launch", "course_lib.launch.worker"])
 def test_importing_the_launch_side_does_not_import_torch(module: str):
     """A rank imports these before it records its pid, so the launcher can end it during torch's slow import."""

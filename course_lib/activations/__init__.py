@@ -2,6 +2,7 @@
 
 from course_lib.activations.checkers import check_checkpoint_every, check_evaluate
 from course_lib.activations.formulas import (
+    KORTHIKANTI_TERMS,
     attention_terms,
     attention_width,
     course_block_bytes,

@@ -23,7 +23,7 @@ from course_lib.activations.formulas import (
 from course_lib.compare import full_gradients, local_tensor, saved_activation_bytes
 from course_lib.launch.runtime import seconds_in_turns
 from course_lib.models import BLOCK
-from course_lib.precision.inspection import DTYPE_NAMES
+from course_lib.precision import DTYPE_NAMES
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

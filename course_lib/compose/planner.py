@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from course_lib.activations.formulas import KORTHIKANTI_TERMS, korthikanti_terms
+from course_lib.activations import KORTHIKANTI_TERMS, korthikanti_terms
 from course_lib.comms import sent_per_rank
-from course_lib.fsdp.zero import fsdp_collectives
+from course_lib.fsdp import fsdp_collectives
 from course_lib.memory import GB, zero_bytes_per_gpu
 from course_lib.models import ModelShape, flops_per_token, outer_parameters, parameters
-from course_lib.pipeline.schedules import ideal_bubble
+from course_lib.pipeline import ideal_bubble
 
 LOSS_BYTES = 4  # the logits the loss keeps: Megatron and torchtitan upcast them to fp32 for the cross-entropy
 CP_GRAD_BYTES = 4  # torch's ring attention sends dK/dV in fp32 (_cp_options.convert_to_f32 is True by default)

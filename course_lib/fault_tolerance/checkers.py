@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib import comms
-from course_lib.checkpoint.sharded import save_sharded
+from course_lib.checkpoint import save_sharded
 from course_lib.exercises import ExerciseFailed
 from course_lib.models import MLP
 

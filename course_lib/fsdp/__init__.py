@@ -15,6 +15,7 @@ from course_lib.fsdp.zero import (
     ShardedUnit,
     ZeroModel,
     compile_blocks_then_shard,
+    fsdp_collectives,
     shard_then_compile,
     zero_collectives,
 )
