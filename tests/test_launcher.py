@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -150,7 +151,8 @@ def _script_running_a_long_cell(folder: Path) -> subprocess.Popen:
 
 @pytest.mark.parametrize("how", ["interrupt", "kill_agent", "kill_kernel"])
 def test_no_process_survives(how, tmp_path):
-    """SIGINT to the 'kernel', SIGKILL to the torchrun agent, SIGKILL to the kernel: nothing of the run survives."""
+    """SIGINT to the 'kernel', SIGKILL to the torchrun agent, SIGKILL to the kernel: nothing of the run survives,
+    nor its folder (the cell, the logs and the environment the agent recorded)."""
     folder = tmp_path / "pids"
     folder.mkdir()
     kernel = _script_running_a_long_cell(folder)
@@ -159,6 +161,7 @@ def test_no_process_survives(how, tmp_path):
         assert wait_until(lambda: len(list(folder.iterdir())) == 2, timeout=120), "ranks did not start"
         agent, ranks = agent_and_ranks(folder, kernel.pid)
         assert len(agent) == 1 and len(ranks) == 2
+        (run,) = [d for d in Path(tempfile.gettempdir()).glob(f"{RunDir.PREFIX}*") if str(folder) in _cell_of(d)]
         if how == "interrupt":
             kernel.send_signal(signal.SIGINT)
             kernel.wait(30)
@@ -168,9 +171,16 @@ def test_no_process_survives(how, tmp_path):
             kernel.kill()
             kernel.wait(10)
         assert wait_until(lambda: alive(agent + ranks) == [], timeout=15), f"left behind: {alive(agent + ranks)}"
+        assert wait_until(lambda: not run.exists(), timeout=15), f"left behind: {sorted(run.rglob('*'))}"
     finally:
         kernel.kill()
         kernel.wait(10)
+
+
+def _cell_of(run: Path) -> str:
+    with contextlib.suppress(OSError):
+        return (run / "cell.py").read_text()
+    return ""
 
 
 def test_forked_ranks_see_what_exec_gives_and_import_time_variables_start_ranks_afresh(tmp_path, monkeypatch):

@@ -147,8 +147,9 @@ def _agent_main(
     With `forkserver` (its address), the ranks fork from the kernel's forkserver, which has torch imported and runs no
     thread, not from this agent, whose threads (the store's, a watcher) could hold a lock at the fork."""
     os.setsid()
+    run, kernel_gone = RunDir(agent_file.parent), threading.Event()
     if hasattr(os, "pidfd_open"):  # Linux: the agent's parent is the forkserver, so no PR_SET_PDEATHSIG
-        when_gone(kernel, lambda: _stop(RunDir(agent_file.parent)))
+        when_gone(kernel, lambda: _stop(run, kernel_gone))
     if isinstance(output, str):
         log = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         fds = [log, log]
@@ -170,7 +171,11 @@ def _agent_main(
         _SERVER.ensure_running = lambda: None  # running: the kernel started it
     from torch.distributed.run import main
 
-    main(args)
+    try:
+        main(args)
+    finally:
+        if kernel_gone.is_set():  # nobody is left to read the run's files (its environment among them)
+            run.remove()
 
 
 def when_gone(pid: int, action: Callable[[], object]) -> None:
@@ -188,11 +193,12 @@ def when_gone(pid: int, action: Callable[[], object]) -> None:
     threading.Thread(target=wait, daemon=True).start()
 
 
-def _stop(run: RunDir) -> None:
+def _stop(run: RunDir, kernel_gone: threading.Event) -> None:
     """The kernel is gone: end the ranks' sessions (what the ranks started: the launcher's end_run, which died with
-    it, would have), then SIGTERM this agent, and torchrun ends the rest."""
+    it, would have), then SIGTERM this agent; torchrun ends the rest, and the run's folder goes once it has."""
     for pid in running(run.started()):
         kill_group(pid, signal.SIGKILL)
+    kernel_gone.set()
     os.kill(os.getpid(), signal.SIGTERM)
 
 
