@@ -374,6 +374,7 @@ def test_a_killed_kernel_leaves_nothing(tmp_path):
     assert _gone_within(pids, 10) == []
     assert _left_after(kernel.tmp, sids) == {}
     assert not folder.exists()
+    _wait_for(lambda: not list(kernel.tmp.glob("torchrun-cell-*")), 15)  # the cell's folder went with its agent
     kernel.kc.stop_channels()
 
 
