@@ -174,7 +174,9 @@ def _agent_main(
     try:
         main(args)
     finally:
-        if kernel_gone.is_set():  # nobody is left to read the run's files (its environment among them)
+        # A run read through pipes (a cell's, a lab's) has nobody left to read or remove its files, the environment
+        # among them; a session's folder is its watcher's, which still reads the engines' pids there.
+        if kernel_gone.is_set() and not isinstance(output, str):
             run.remove()
 
 
