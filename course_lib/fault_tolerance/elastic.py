@@ -7,7 +7,6 @@ import json
 import os
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
@@ -16,19 +15,9 @@ import torch.distributed as dist
 
 from course_lib.checkpoint import AppState, dcp_load, dcp_save, latest_complete, make_optimizer, sharded_mlp, train_step
 from course_lib.data import batch_for_step, regression
-from course_lib.launch.spec import NCCL_PROCESS_GROUP
+from course_lib.launch.runtime import init_distributed
 
 EVENTS = "events.jsonl"  # rank 0's log: one JSON object per line (start, step, pause)
-
-
-def join_group(backend: str, timeout_s: float) -> None:
-    """init_process_group via env://; needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 so each round gets a fresh store."""
-    if backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-        dist.init_process_group(NCCL_PROCESS_GROUP, timeout=timedelta(seconds=timeout_s), device_id=device)
-    else:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
 
 
 def _log(root: Path, entry: dict) -> None:
@@ -99,7 +88,7 @@ def train_elastic(
     ROOT/events.jsonl and, once per world size, the losses of an uninterrupted run to reference_<W>.json.
     """
     root = Path(root)
-    join_group(backend, timeout_s)
+    init_distributed(backend, timeout_s, seed=None)  # each round on a fresh store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE)
     rank, world = dist.get_rank(), dist.get_world_size()
     model = sharded_mlp()
     optimizer = make_optimizer(model)
